@@ -1,0 +1,237 @@
+"""When to average: PyTorch's model averagers re-created on Horovod process sets.
+
+Construction is collective over all Horovod ranks (it verifies the configuration across ranks
+and may register process sets); ``average_parameters`` is called by every rank once per training
+step and averages only at the scheduled steps.
+"""
+
+from __future__ import annotations
+
+import warnings
+from abc import ABC, abstractmethod
+from typing import Any, Mapping, Optional
+
+import horovod.torch as hvd
+
+from .communication import TensorsLike, average_tensors, collect_parameters
+from .runtime import check_same_on_all_ranks, members, process_set, rank_to_node
+from .schedule import (
+    check_period,
+    check_warmup_steps,
+    hierarchical_period,
+    normalize_hierarchy,
+    periodic_fires,
+)
+from .topology import group_of, hierarchy_groups
+
+__all__ = ["ModelAverager", "PeriodicModelAverager", "HierarchicalModelAverager"]
+
+
+def _require_horovod(cls_name: str) -> None:
+    if not hvd.is_initialized():
+        raise RuntimeError(f"{cls_name} needs Horovod: call hva.init() (or hvd.init()) first")
+
+
+class ModelAverager(ABC):
+    r"""Base class for all model averagers.
+
+    Args:
+        process_set: the ``hvd.ProcessSet`` whose members average together. ``None`` means
+            Horovod's global process set. Ranks outside it keep their parameters but still
+            count steps.
+
+    Attributes:
+        step (int): number of ``average_parameters`` calls so far (the training step).
+    """
+
+    def __init__(self, process_set: Optional[hvd.ProcessSet] = None):
+        _require_horovod(type(self).__name__)
+        self.process_set = process_set if process_set is not None else hvd.global_process_set
+        if self.process_set.process_set_id is None:
+            raise ValueError(
+                f"process_set {self.process_set} is not registered with Horovod: create it with "
+                "hva.process_set(ranks) or pass it to hvd.init(process_sets=[...])"
+            )
+        self.step = 0
+
+    @abstractmethod
+    def average_parameters(self, params: TensorsLike) -> None:
+        """Average ``params`` if this step is scheduled, then advance ``step``."""
+        raise NotImplementedError
+
+    def _config(self) -> dict[str, Any]:
+        return {"process_set_ranks": members(self.process_set)}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The averager's resumable state: ``step`` and the configuration it applies to."""
+        return {"step": self.step, "config": self._config()}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore ``step`` from :meth:`state_dict` (collective: every rank must call it).
+
+        Raises:
+            ValueError: ``step`` is missing or not an integer >= 0.
+            RuntimeError: ranks loaded different steps (their schedules would diverge and the
+                next averaging collective would hang).
+        """
+        step = state_dict.get("step") if isinstance(state_dict, Mapping) else None
+        error = None
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            error = ValueError(f"state_dict['step'] must be an integer >= 0, got {step!r}")
+        check_same_on_all_ranks(
+            f"{type(self).__name__}.load_state_dict step", step, local_error=error,
+            name="hva.agree.load_state_dict",
+        )
+        saved = state_dict.get("config")
+        if saved is not None and saved != self._config():
+            warnings.warn(
+                f"loading averager state saved with config {saved} into one with config "
+                f"{self._config()}: the step is restored, the new config is kept",
+                UserWarning,
+                stacklevel=2,
+            )
+        self.step = step
+
+
+class PeriodicModelAverager(ModelAverager):
+    r"""Averages parameters every ``period`` steps after ``warmup_steps`` steps.
+
+    Averages at step ``s`` iff ``s >= warmup_steps and (s - warmup_steps) % period == 0``.
+    With gradient allreduce during warm-up this is `post-local SGD
+    <https://arxiv.org/abs/1808.07217>`_ (see :class:`hvd_averaging.PostLocalSGD`).
+
+    Args:
+        period (int): steps between two averagings, >= 1 (1 only warns: then gradient allreduce
+            with ``hvd.DistributedOptimizer`` is cheaper).
+        warmup_steps (int): steps before the first averaging, >= 0.
+        process_set: the set that averages (default: all ranks).
+
+    Raises:
+        ValueError: bad ``period`` or ``warmup_steps`` (on every rank: ranks with good values
+            raise ``RuntimeError`` naming the bad ones).
+        RuntimeError: ranks passed different arguments.
+
+    Example::
+
+        >>> import hvd_averaging as hva
+        >>> hva.init()
+        >>> averager = hva.PeriodicModelAverager(period=4, warmup_steps=100)
+        >>> for step in range(200):
+        ...     optimizer.zero_grad()
+        ...     loss_fn(model(inputs), labels).backward()
+        ...     optimizer.step()
+        ...     # averages the model over all ranks every 4 steps from step 100 on
+        ...     averager.average_parameters(model.parameters())
+    """
+
+    def __init__(self, period: int, warmup_steps: int = 0,
+                 process_set: Optional[hvd.ProcessSet] = None):
+        super().__init__(process_set)
+        error = None
+        try:
+            check_period(period, stacklevel=4)
+            check_warmup_steps(warmup_steps)
+        except ValueError as e:
+            error = e
+        self.period = period
+        self.warmup_steps = warmup_steps
+        check_same_on_all_ranks("PeriodicModelAverager arguments", self._config(),
+                                local_error=error, name="hva.agree.periodic")
+
+    def _config(self) -> dict[str, Any]:
+        return {"period": self.period, "warmup_steps": self.warmup_steps, **super()._config()}
+
+    def average_parameters(self, params: TensorsLike) -> None:
+        """Average ``params`` over the process set if this step is scheduled; advance ``step``.
+
+        Args:
+            params: ``model.parameters()`` or ``optimizer.param_groups`` (parameters whose
+                ``.grad`` is None are skipped).
+        """
+        if periodic_fires(self.step, self.period, self.warmup_steps):
+            average_tensors(collect_parameters(params), self.process_set)
+        self.step += 1
+
+
+class HierarchicalModelAverager(ModelAverager):
+    r"""Hierarchical model averaging (`hierarchical SGD <https://arxiv.org/pdf/2010.12998.pdf>`_).
+
+    Groups of different sizes average with different periods: e.g. ``{2: 4, 16: 8}`` on 8 ranks
+    averages each node of 4 every 2 steps and everyone every 16. At step ``s >= warmup_steps``,
+    of the periods that divide ``s`` the largest one's group averages (one collective at most).
+
+    Groups follow the nodes: a level's groups are contiguous blocks of ranks in node-major
+    order, found with MPI's shared-memory communicator split (or Horovod's host information under
+    Gloo), so a level of a node's size is exactly the node-local group. A group must stay inside
+    one node or be made of whole nodes. Every group of every level is registered as a Horovod
+    process set on every rank (shared through :func:`hvd_averaging.process_set`).
+
+    Args:
+        period_group_size_dict: ``period -> group size``, keys in any order. Sizes must not
+            decrease with the period, each must divide the next larger one and the process set
+            size, and the largest period's size must be the process set size.
+        warmup_steps (int): steps before the first averaging, >= 0.
+        process_set: the set that averages (default: all ranks).
+
+    Attributes:
+        period_process_set_dict: ``period -> hvd.ProcessSet`` of this rank's group at that
+            level (ascending periods; empty on ranks outside ``process_set``).
+
+    Example::
+
+        >>> import hvd_averaging as hva
+        >>> hva.init()
+        >>> # 4 ranks: pairs every 2 steps, everyone every 8, from step 100 on
+        >>> averager = hva.HierarchicalModelAverager({2: 2, 8: 4}, warmup_steps=100)
+        >>> for step in range(200):
+        ...     optimizer.zero_grad()
+        ...     loss_fn(model(inputs), labels).backward()
+        ...     optimizer.step()
+        ...     averager.average_parameters(model.parameters())
+    """
+
+    def __init__(self, period_group_size_dict: Optional[Mapping[int, int]] = None,
+                 warmup_steps: int = 0, process_set: Optional[hvd.ProcessSet] = None):
+        super().__init__(process_set)
+        set_ranks = members(self.process_set)
+        error = None
+        hierarchy: dict[int, int] = {}
+        try:
+            hierarchy = normalize_hierarchy(period_group_size_dict, len(set_ranks), stacklevel=4)
+            check_warmup_steps(warmup_steps)
+        except ValueError as e:
+            error = e
+        self.warmup_steps = warmup_steps
+        self.period_group_size_dict = hierarchy
+        self._periods = list(hierarchy)
+        check_same_on_all_ranks("HierarchicalModelAverager arguments", self._config(),
+                                local_error=error, name="hva.agree.hierarchical")
+
+        levels = hierarchy_groups(set_ranks, rank_to_node(), list(hierarchy.values()))
+        self.period_process_set_dict: dict[int, hvd.ProcessSet] = {}
+        me = hvd.rank()
+        for period, groups in zip(hierarchy, levels):
+            level_sets = [self._set_for(group) for group in groups]  # every rank, same order
+            if me in set_ranks:
+                self.period_process_set_dict[period] = level_sets[groups.index(group_of(groups, me))]
+
+    def _set_for(self, group: list[int]) -> hvd.ProcessSet:
+        if group == members(self.process_set):
+            return self.process_set
+        return process_set(group)
+
+    def _config(self) -> dict[str, Any]:
+        return {"period_group_size_dict": self.period_group_size_dict,
+                "warmup_steps": self.warmup_steps, **super()._config()}
+
+    def average_parameters(self, params: TensorsLike) -> None:
+        """Average ``params`` in this rank's group of the level scheduled now; advance ``step``.
+
+        Args:
+            params: ``model.parameters()`` or ``optimizer.param_groups`` (parameters whose
+                ``.grad`` is None are skipped).
+        """
+        period = hierarchical_period(self.step, self._periods, self.warmup_steps)
+        if period is not None and period in self.period_process_set_dict:
+            average_tensors(collect_parameters(params), self.period_process_set_dict[period])
+        self.step += 1

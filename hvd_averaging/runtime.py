@@ -1,0 +1,214 @@
+"""Horovod start-up, the shared registry of process sets, node placement and cross-rank checks.
+
+Everything here that talks to other ranks is collective over Horovod's global process set and
+must be called by every rank in the same order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+from typing import Hashable, Iterable, Optional
+
+import horovod.torch as hvd
+import torch
+from horovod.torch.mpi_ops import _basics
+
+__all__ = [
+    "init",
+    "process_set",
+    "dynamic_process_sets_enabled",
+    "registered_process_sets",
+    "rank_to_node",
+    "config_digest",
+    "check_same_on_all_ranks",
+    "members",
+]
+
+# Sets handed out by process_set(), by their sorted ranks. Horovod refuses to register a set twice,
+# so averagers and user code share these objects.
+_sets_by_ranks: dict[tuple[int, ...], hvd.ProcessSet] = {}
+_mpi_comm = None  # the communicator Horovod was initialized over (None: MPI's world or Gloo)
+_rank_to_node_cache: Optional[tuple[int, list[Hashable]]] = None
+
+
+def init(comm=None) -> None:
+    """Initialize Horovod with dynamic process sets, so averagers can create their groups.
+
+    Over MPI (``mpirun``/``horovodrun`` with MPI) Horovod runs over ``comm`` (an ``mpi4py``
+    communicator; default ``MPI.COMM_WORLD``); under ``horovodrun --gloo`` over Gloo. A no-op when
+    Horovod is already initialized. If it was initialized without dynamic process sets, the
+    averagers can still use sets registered at ``hvd.init(process_sets=[...])`` and raise a
+    ``RuntimeError`` for any other.
+
+    Example::
+
+        >>> import hvd_averaging as hva
+        >>> hva.init()
+        >>> pair = hva.process_set([0, 1])  # collective: every rank calls it
+    """
+    global _mpi_comm
+    if hvd.is_initialized():
+        return
+    if comm is not None:
+        hvd.init(comm=comm, process_sets="dynamic")
+        _mpi_comm = comm
+    else:
+        hvd.init(process_sets="dynamic")
+    _reset_caches()
+
+
+def _reset_caches() -> None:
+    global _rank_to_node_cache
+    _sets_by_ranks.clear()
+    _rank_to_node_cache = None
+
+
+def dynamic_process_sets_enabled() -> bool:
+    """True when Horovod accepts ``hvd.add_process_set`` (initialized with ``"dynamic"``)."""
+    return os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def registered_process_sets() -> dict[int, list[int]]:
+    """Horovod's registered process sets: ``{process_set_id: sorted ranks}``."""
+    return {int(k): sorted(v) for k, v in _basics._get_process_set_ids_and_ranks().items()}
+
+
+def _require_initialized(what: str) -> None:
+    if not hvd.is_initialized():
+        raise RuntimeError(f"{what} needs Horovod: call hva.init() (or hvd.init()) first")
+
+
+def process_set(ranks: Iterable[int]) -> hvd.ProcessSet:
+    """The registered ``hvd.ProcessSet`` for exactly ``ranks``, registering it if needed.
+
+    Collective when the set is new: every rank must call it with the same ranks, in the same
+    order as its other calls. A set that exists (registered at init, by an earlier call, or by
+    user code through this function) is returned, never registered twice.
+
+    Raises:
+        ValueError: ``ranks`` is empty, has duplicates or ranks outside ``0..size-1``.
+        RuntimeError: the set does not exist and Horovod runs without dynamic process sets.
+
+    Example::
+
+        >>> pair = hva.process_set([hvd.rank() // 2 * 2, hvd.rank() // 2 * 2 + 1])  # wrong!
+        >>> # every rank must register every set, in the same order:
+        >>> pairs = [hva.process_set([0, 1]), hva.process_set([2, 3])]
+    """
+    _require_initialized("hva.process_set")
+    ranks = list(ranks)
+    if not ranks:
+        raise ValueError("process_set([]) : a process set needs at least one rank")
+    for r in ranks:
+        if isinstance(r, bool) or not isinstance(r, int):
+            raise ValueError(f"process set ranks must be integers, got {r!r} in {ranks}")
+    key = tuple(sorted(ranks))
+    if len(set(key)) != len(key):
+        raise ValueError(f"process set ranks {ranks} contain duplicates")
+    size = hvd.size()
+    if key[0] < 0 or key[-1] >= size:
+        raise ValueError(f"process set ranks {ranks} must lie in 0..{size - 1} (Horovod size {size})")
+    if key == tuple(range(size)):
+        return hvd.global_process_set
+    cached = _sets_by_ranks.get(key)
+    if cached is not None and cached.process_set_id is not None:
+        return cached
+    for set_id, set_ranks in registered_process_sets().items():
+        if tuple(set_ranks) == key:
+            found = hvd.ProcessSet(list(key))
+            found.process_set_id = set_id
+            _sets_by_ranks[key] = found
+            return found
+    if not dynamic_process_sets_enabled():
+        raise RuntimeError(
+            f"process set for ranks {list(key)} is not registered and Horovod was initialized "
+            "without dynamic process sets. Either call hva.init() instead of hvd.init() (it "
+            "enables dynamic process sets), or register the set at start-up: "
+            f"hvd.init(process_sets=[hvd.ProcessSet({list(key)}), ...])"
+        )
+    created = hvd.add_process_set(list(key))
+    _sets_by_ranks[key] = created
+    return created
+
+
+def rank_to_node() -> list[Hashable]:
+    """Node of every Horovod rank (index = global rank), the same list on every rank.
+
+    Over MPI it comes from splitting the communicator by shared memory
+    (``Split_type(COMM_TYPE_SHARED)``): each node is named by its lowest rank. Under Gloo there is
+    no MPI world, so it comes from Horovod's own host information (the host names gathered over
+    Horovod). Collective on the first call after init; cached afterwards.
+    """
+    global _rank_to_node_cache
+    _require_initialized("hva.rank_to_node")
+    size = hvd.size()
+    if _rank_to_node_cache is not None and _rank_to_node_cache[0] == size:
+        return list(_rank_to_node_cache[1])
+    if hvd.mpi_enabled():
+        from mpi4py import MPI
+
+        comm = _mpi_comm if _mpi_comm is not None else MPI.COMM_WORLD
+        node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+        try:
+            node_leader = node_comm.allreduce(comm.Get_rank(), op=MPI.MIN)
+        finally:
+            node_comm.Free()
+        nodes: list[Hashable] = list(comm.allgather(node_leader))
+    else:
+        host = os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
+        nodes = list(hvd.allgather_object(host, name="hva.rank_to_node"))
+    _rank_to_node_cache = (size, nodes)
+    return list(nodes)
+
+
+def config_digest(config) -> int:
+    """A stable 63-bit digest of ``repr(config)`` (same on every rank for equal configs)."""
+    raw = hashlib.sha256(repr(config).encode()).digest()
+    return int.from_bytes(raw[:8], "little") & ((1 << 63) - 1)
+
+
+def check_same_on_all_ranks(
+    what: str,
+    config,
+    *,
+    local_error: Optional[BaseException] = None,
+    process_set: Optional[hvd.ProcessSet] = None,
+    name: str = "hva.agree",
+    summary: Optional[str] = None,
+) -> None:
+    """Verify with one small allgather that every rank of ``process_set`` holds the same config.
+
+    A rank that hit ``local_error`` (e.g. a ``ValueError`` from validating its arguments) joins
+    the allgather anyway, so the others learn about it instead of waiting forever; it then
+    re-raises its own error while the others raise ``RuntimeError`` naming it. ``summary``
+    replaces ``repr(config)`` in the message when the config is long.
+
+    Raises:
+        RuntimeError: ranks disagree; the message names which ranks hold which config.
+    """
+    process_set = process_set if process_set is not None else hvd.global_process_set
+    digest = -1 if local_error is not None else config_digest(config)
+    gathered = hvd.allgather(
+        torch.tensor([digest], dtype=torch.int64), name=name, process_set=process_set
+    ).tolist()
+    if local_error is not None:
+        raise local_error
+    ranks = members(process_set)
+    failed = [r for r, d in zip(ranks, gathered) if d == -1]
+    if failed:
+        raise RuntimeError(f"{what}: rank(s) {failed} raised an error for their arguments (see their output)")
+    if len(set(gathered)) > 1:
+        mine = [r for r, d in zip(ranks, gathered) if d == digest]
+        others = [r for r, d in zip(ranks, gathered) if d != digest]
+        raise RuntimeError(
+            f"{what} differs across ranks: rank {hvd.rank()} has {summary or repr(config)}, shared by ranks "
+            f"{mine}; ranks {others} have something else. Every rank must pass the same "
+            "arguments, or the averaging collectives would hang or average different groups"
+        )
+
+
+def members(process_set: hvd.ProcessSet) -> list[int]:
+    """Global ranks of ``process_set``, ascending."""
+    return sorted(process_set.ranks) if process_set.ranks else list(range(hvd.size()))

@@ -1,0 +1,155 @@
+"""When to average: argument rules and firing schedules of the averagers, as pure functions.
+
+Every rank evaluates the same schedule on the same step counter, so all members of a process
+set reach the same collective at the same step without talking to each other.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Mapping, Optional
+
+__all__ = [
+    "check_positive_int",
+    "check_warmup_steps",
+    "check_period",
+    "normalize_hierarchy",
+    "periodic_fires",
+    "hierarchical_period",
+]
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_positive_int(name: str, value) -> int:
+    """Return ``value`` if it is an integer >= 1, else raise ``ValueError`` naming it."""
+    if not _is_int(value):
+        raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
+
+
+def check_warmup_steps(warmup_steps) -> int:
+    """Return ``warmup_steps`` if it is an integer >= 0, else raise ``ValueError``."""
+    if not _is_int(warmup_steps):
+        raise ValueError(
+            f"warmup_steps must be an integer, got {warmup_steps!r} "
+            f"({type(warmup_steps).__name__})"
+        )
+    if warmup_steps < 0:
+        raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+    return warmup_steps
+
+
+def check_period(period, *, stacklevel: int = 3) -> int:
+    """Validate an averaging period; warn when it is 1 (averaging every step is pointless)."""
+    check_positive_int("period", period)
+    if period == 1:
+        warnings.warn(
+            "period is 1: averaging parameters every step costs at least as much as "
+            "allreducing gradients every step; use hvd.DistributedOptimizer instead",
+            UserWarning,
+            stacklevel=stacklevel,
+        )
+    return period
+
+
+def normalize_hierarchy(
+    period_group_size_dict: Optional[Mapping[int, int]],
+    process_set_size: int,
+    *,
+    stacklevel: int = 3,
+) -> dict[int, int]:
+    """Validate a ``period -> group size`` hierarchy and return it ordered by period.
+
+    Rules (each violation raises ``ValueError`` naming the value and the rule):
+
+    * the hierarchy is a non-empty mapping of integer periods >= 1 to integer sizes >= 1;
+    * every group size divides ``process_set_size``;
+    * sizes do not decrease as the period grows, and each level's size divides the size of the
+      next larger period (so groups nest: a level's group is a union of smaller-level groups);
+    * the largest period's size equals ``process_set_size`` (the top level is everyone).
+
+    A hierarchy whose largest period is 1 averages every step and only warns.
+
+    Example::
+
+        >>> normalize_hierarchy({8: 4, 2: 2}, 4)
+        {2: 2, 8: 4}
+    """
+    if period_group_size_dict is None or not isinstance(period_group_size_dict, Mapping):
+        raise ValueError(
+            "period_group_size_dict must be a non-empty mapping of period -> group size, "
+            f"got {period_group_size_dict!r}"
+        )
+    if len(period_group_size_dict) == 0:
+        raise ValueError("period_group_size_dict is empty: give at least one period -> group size")
+    for period, size in period_group_size_dict.items():
+        check_positive_int(f"period {period!r} in period_group_size_dict", period)
+        check_positive_int(f"group size {size!r} (period {period}) in period_group_size_dict", size)
+        if process_set_size % size != 0:
+            raise ValueError(
+                f"group size {size} (period {period}) does not divide the process set size "
+                f"{process_set_size}: every rank must belong to exactly one group of that size"
+            )
+    ordered = dict(sorted(period_group_size_dict.items()))
+    periods = list(ordered)
+    for smaller, larger in zip(periods, periods[1:]):
+        small_size, large_size = ordered[smaller], ordered[larger]
+        if large_size < small_size:
+            raise ValueError(
+                f"group sizes must not decrease as the period grows: period {smaller} has size "
+                f"{small_size} but the larger period {larger} has size {large_size}"
+            )
+        if large_size % small_size != 0:
+            raise ValueError(
+                f"group size {small_size} (period {smaller}) does not divide the size "
+                f"{large_size} of the next larger period {larger}: levels must nest"
+            )
+    top_period = periods[-1]
+    if ordered[top_period] != process_set_size:
+        raise ValueError(
+            f"the largest period {top_period} has group size {ordered[top_period]}, but it must "
+            f"equal the process set size {process_set_size} (the top level averages everyone)"
+        )
+    if top_period == 1:
+        warnings.warn(
+            "the largest period of the hierarchy is 1: every step averages over the whole "
+            "process set, which costs at least as much as allreducing gradients; use "
+            "hvd.DistributedOptimizer instead",
+            UserWarning,
+            stacklevel=stacklevel,
+        )
+    return ordered
+
+
+def periodic_fires(step: int, period: int, warmup_steps: int) -> bool:
+    """True iff a periodic averager averages at ``step``.
+
+    Example::
+
+        >>> [s for s in range(20) if periodic_fires(s, 4, 13)]
+        [13, 17]
+    """
+    return step >= warmup_steps and (step - warmup_steps) % period == 0
+
+
+def hierarchical_period(step: int, periods_ascending, warmup_steps: int) -> Optional[int]:
+    """The period whose group averages at ``step``, or None when nobody averages.
+
+    Of the periods that divide ``step`` the largest wins, so at most one collective runs.
+
+    Example::
+
+        >>> [hierarchical_period(s, [2, 4], 10) for s in (9, 10, 11, 12)]
+        [None, 2, None, 4]
+    """
+    if step < warmup_steps:
+        return None
+    for period in reversed(periods_ascending):
+        if step % period == 0:
+            return period
+    return None

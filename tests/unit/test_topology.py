@@ -1,0 +1,94 @@
+"""Exhaustive single-process tests of the node-aware grouping (pure functions)."""
+import itertools
+
+import pytest
+
+from hvd_averaging.topology import group_of, hierarchy_groups, level_groups, node_major_order
+
+
+def contiguous(world, size):
+    return [list(range(s, s + size)) for s in range(0, world, size)]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 6, 8, 12, 16])
+def test_one_node_gives_pytorch_contiguous_groups(world):
+    for size in range(1, world + 1):
+        if world % size:
+            with pytest.raises(ValueError, match=f"group size {size} does not divide"):
+                level_groups(["n"] * world, size)
+            continue
+        groups = level_groups(["n"] * world, size)
+        assert groups == contiguous(world, size)
+        for r in range(world):  # the rule PyTorch users expect
+            assert group_of(groups, r) == list(range(r // size * size, r // size * size + size))
+
+
+def test_single_rank():
+    assert level_groups(["only"], 1) == [[0]]
+    assert hierarchy_groups([0], ["only"], [1, 1]) == [[[0]], [[0]]]
+
+
+def test_block_placement_2x4():
+    nodes = ["a"] * 4 + ["b"] * 4
+    assert level_groups(nodes, 2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert level_groups(nodes, 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert level_groups(nodes, 8) == [list(range(8))]
+    assert level_groups(nodes, 1) == [[r] for r in range(8)]
+
+
+def test_round_robin_2x4_node_size_level_is_node_local():
+    nodes = ["a", "b"] * 4  # rank r on node r % 2
+    assert node_major_order(nodes) == [0, 2, 4, 6, 1, 3, 5, 7]
+    assert level_groups(nodes, 4) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert level_groups(nodes, 2) == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    for size in (1, 2, 4, 8):
+        for group in level_groups(nodes, size):
+            if size <= 4:  # smaller than or equal to a node: inside one node
+                assert len({nodes[r] for r in group}) == 1
+
+
+def test_every_group_stays_in_a_node_or_takes_whole_nodes():
+    # all placements of 8 ranks on nodes of 2 or 4 ranks each (as node labels per rank)
+    for labels in set(itertools.permutations("aabbccdd")):
+        for size in (1, 2, 4, 8):
+            groups = level_groups(list(labels), size)
+            assert sorted(r for g in groups for r in g) == list(range(8))
+            for g in groups:
+                nodes = {labels[r] for r in g}
+                if len(nodes) > 1:
+                    for n in nodes:
+                        assert sum(labels[r] == n for r in g) == labels.count(n)
+
+
+def test_uneven_nodes():
+    nodes = ["a"] * 3 + ["b"] * 1  # 3 + 1 ranks
+    assert level_groups(nodes, 4) == [[0, 1, 2, 3]]
+    assert level_groups(nodes, 1) == [[0], [1], [2], [3]]
+    with pytest.raises(ValueError, match=r"part of node\(s\) \['a'\]"):
+        level_groups(nodes, 2)  # [0,1] fine, [2,3] would mix part of a with b
+
+
+def test_group_larger_than_node_made_of_whole_nodes():
+    nodes = ["a", "a", "b", "b", "c", "c", "d", "d"]
+    assert level_groups(nodes, 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    with pytest.raises(ValueError, match="must stay inside one node or be made of whole nodes"):
+        level_groups(["a"] * 3 + ["b"] * 3, 2)
+
+
+def test_hierarchy_groups_of_a_subset_use_global_ranks():
+    nodes = ["a"] * 4 + ["b"] * 4
+    assert hierarchy_groups([4, 5, 6, 7], nodes, [2, 4]) == [[[4, 5], [6, 7]], [[4, 5, 6, 7]]]
+    assert hierarchy_groups([1, 3, 5, 7], nodes, [2]) == [[[1, 3], [5, 7]]]
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, "2", True, None])
+def test_bad_group_size(bad):
+    with pytest.raises(ValueError, match="must be a positive integer"):
+        level_groups(["a"] * 4, bad)
+
+
+def test_empty_placement_and_missing_rank():
+    with pytest.raises(ValueError, match="empty"):
+        level_groups([], 1)
+    with pytest.raises(ValueError, match="rank 9 is in none"):
+        group_of([[0, 1]], 9)
