@@ -129,7 +129,7 @@ class PeriodicModelAverager(ModelAverager):
         super().__init__(process_set)
         error = None
         try:
-            check_period(period, stacklevel=4)
+            check_period(period, stacklevel=3)
             check_warmup_steps(warmup_steps)
         except ValueError as e:
             error = e
@@ -197,7 +197,7 @@ class HierarchicalModelAverager(ModelAverager):
         error = None
         hierarchy: dict[int, int] = {}
         try:
-            hierarchy = normalize_hierarchy(period_group_size_dict, len(set_ranks), stacklevel=4)
+            hierarchy = normalize_hierarchy(period_group_size_dict, len(set_ranks), stacklevel=3)
             check_warmup_steps(warmup_steps)
         except ValueError as e:
             error = e

@@ -12,6 +12,8 @@ def param(value, dtype=torch.float32, shape=(3,)):
 
 def gathered(value):
     """Every rank's float ``value``, gathered over Horovod (list indexed by rank)."""
+    if isinstance(value, torch.Tensor):
+        value = value.detach()
     return hvd.allgather_object(float(value))
 
 

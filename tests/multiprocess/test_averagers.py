@@ -29,8 +29,8 @@ def test_periodic_firing_table(world, rank, warmup, expected):
     for step in range(24):
         p = param(rank * 10 + step)
         averager.average_parameters([p])
-        if p[0].item() != rank * 10 + step:
-            assert p[0].item() == pytest.approx(mean([r * 10 + step for r in range(world)]))
+        if p[0].detach().item() != rank * 10 + step:
+            assert p[0].detach().item() == pytest.approx(mean([r * 10 + step for r in range(world)]))
             fired.append(step)
     assert averager.step == 24
     assert fired == expected
@@ -58,7 +58,7 @@ def test_hierarchical_schedule_and_group_means(world, rank, hierarchy):
     for step in range(26):
         p = param(rank)
         averager.average_parameters([p])
-        levels[step] = _level_of(p[0].item(), rank, world)
+        levels[step] = _level_of(p[0].detach().item(), rank, world)
     pair_level = "pairs" if world >= 4 else "world"  # on 2 ranks the pair is the world
     assert [s for s, lv in levels.items() if lv == "world"] == (
         [12, 16, 20, 24] if world >= 4 else [10, 12, 14, 16, 18, 20, 22, 24])
@@ -85,7 +85,7 @@ def test_param_groups_generators_and_skipped_grads(world, rank):
     frozen = torch.nn.Parameter(torch.full((2,), float(rank)))  # no grad: skipped
     opt = torch.optim.SGD([{"params": [a]}, {"params": [b, frozen], "lr": 0.5}], lr=0.1)
     hva.average_parameters(opt.param_groups)
-    assert a[0].item() == mean(range(world)) and b[0].item() == 2 * mean(range(world))
+    assert a[0].detach().item() == mean(range(world)) and b[0].detach().item() == 2 * mean(range(world))
     assert torch.equal(frozen.data, torch.full((2,), float(rank)))
     c = param(rank)
     hva.average_parameters(x for x in [c])
@@ -107,8 +107,8 @@ def test_mixed_dtypes_in_one_call(world, rank):
     ps.append(param(rank + 1, torch.float32, shape=(7,)))
     hva.average_parameters(ps)
     for p in ps[:4]:
-        assert p[0].item() == mean(range(world)), p.dtype
-    assert ps[4][0].item() == mean(range(world)) + 1
+        assert p[0].detach().item() == mean(range(world)), p.dtype
+    assert ps[4][0].detach().item() == mean(range(world)) + 1
 
 
 def test_bfloat16_rounds_once_from_float32(world, rank):
@@ -119,7 +119,7 @@ def test_bfloat16_rounds_once_from_float32(world, rank):
     hva.average_parameters([p])
     want = torch.tensor(mean([float(torch.tensor(v, dtype=torch.bfloat16)) for v in values]),
                         dtype=torch.float32).to(torch.bfloat16)
-    assert p[0].item() == want.item()
+    assert p[0].detach().item() == want.detach().item()
 
 
 def test_non_contiguous_and_channels_last_keep_layout(world, rank):
@@ -145,7 +145,7 @@ def test_ranks_outside_subset_untouched_but_count_steps(world, rank):
     for _ in range(3):
         p = param(rank)
         averager.average_parameters([p])
-        values.append(p[0].item())
+        values.append(p[0].detach().item())
     assert averager.step == 3
     if rank in (0, 1):
         assert values == [0.5, rank, 0.5]
@@ -154,7 +154,7 @@ def test_ranks_outside_subset_untouched_but_count_steps(world, rank):
     # the global level still works after subset-only collectives
     q = param(rank)
     hva.average_parameters([q])
-    assert q[0].item() == mean(range(world))
+    assert q[0].detach().item() == mean(range(world))
 
 
 def test_user_grouped_calls_on_own_sets_do_not_hang_averaging(world, rank):
@@ -163,7 +163,7 @@ def test_user_grouped_calls_on_own_sets_do_not_hang_averaging(world, rank):
     if rank in (0, 1):
         t = torch.full((2,), float(rank))
         hvd.grouped_allreduce_([t], op=hvd.Average, process_set=user_set)
-        assert t[0].item() == 0.5
+        assert t[0].detach().item() == 0.5
     averager = hva.HierarchicalModelAverager({2: min(2, world), 4: world})
     averager.step = 4
     p = param(rank)
@@ -186,7 +186,7 @@ def test_state_dict_round_trip_continues_schedule(world, rank):
         for _ in range(steps):
             p = param(rank)
             averager.average_parameters([p])
-            if p[0].item() != rank:
+            if p[0].detach().item() != rank:
                 fired.append(averager.step - 1)
         return fired
 

@@ -1,0 +1,97 @@
+"""Run the whole suite: multi-process runs under horovodrun (MPI and Gloo, 2 and 4 ranks), then
+the single-process tests.
+
+Each multi-process run is one pytest session per rank over ``tests/multiprocess``; a failure on
+any rank fails the run (horovodrun exits non-zero) and that rank's output is shown. A run that
+exceeds its time limit (a hung collective) is killed and reported as a failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+
+def multiprocess_runs() -> list[tuple[str, list[str], dict[str, str]]]:
+    runs = []
+    for controller in ("mpi", "gloo"):
+        for np in (2, 4):
+            runs.append((f"{controller} np={np}", [f"--{controller}", "-np", str(np), "-H", f"localhost:{np}"], {}))
+    # Horovod initialized by the user without dynamic process sets
+    runs.append(("mpi np=4 static process sets", ["--mpi", "-np", "4", "-H", "localhost:4"],
+                 {"HVA_TEST_INIT": "static", "HVA_TEST_FILES": "tests/multiprocess/static"}))
+    return runs
+
+
+def run_multiprocess(label: str, launcher_args: list[str], extra_env: dict[str, str],
+                     timeout_s: int) -> bool:
+    expected_ranks = int(launcher_args[launcher_args.index("-np") + 1])
+    env = dict(os.environ, **extra_env)
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
+    env["PYTHONPATH"] = str(ROOT / "tests" / "multiprocess")
+    files = extra_env.get("HVA_TEST_FILES")
+    targets = [files] if files else ["tests/multiprocess", "--ignore=tests/multiprocess/static"]
+    cmd = [str(BIN / "horovodrun"), *launcher_args, str(BIN / "python"), "-m", "pytest", "-q",
+           "-p", "no:cacheprovider", "--color=no", "--rootdir", str(ROOT / "tests" / "multiprocess"),
+           "-o", "testpaths=", *targets]
+    print(f"\n=== multi-process: {label}: {' '.join(cmd[1:])}", flush=True)
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=timeout_s,
+                              start_new_session=True)
+        output, rc = proc.stdout, proc.returncode
+    except subprocess.TimeoutExpired as exc:
+        output = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        rc = None
+        subprocess.run(["pkill", "-9", "-f", "tests/multiprocess"], check=False)
+    elapsed = time.monotonic() - start
+    # horovodrun prefixes each rank's output with [rank] (Gloo) or [1,rank] (MPI)
+    summaries = re.findall(
+        r"\[(?:\d+,)?(\d+)\]<stdout>:((?:\d+ (?:passed|failed|errors?|skipped|warnings?),? ?)+in [\d.]+s)",
+        output)
+    ranks_reported = {rank for rank, _ in summaries}
+    ok = rc == 0 and len(ranks_reported) == expected_ranks and all(
+        "failed" not in line and "error" not in line for _, line in summaries)
+    if not ok:
+        print(output, flush=True)  # every rank's output, prefixed by horovodrun with [rank]
+        reason = (f"killed after {timeout_s} s (hung collective?)" if rc is None
+                  else f"exit code {rc}, pytest summaries from ranks {sorted(ranks_reported)}")
+        print(f"=== FAILED: {label}: {reason}", flush=True)
+    else:
+        for rank, line in sorted(summaries, key=lambda item: int(item[0])):
+            print(f"rank {rank}: {line}", flush=True)
+        print(f"=== ok: {label} ({elapsed:.0f} s)", flush=True)
+    return ok
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--multiprocess-only", action="store_true")
+    parser.add_argument("--timeout", type=int, default=300, help="seconds per multi-process run")
+    args = parser.parse_args()
+    results = {label: run_multiprocess(label, launch, env, args.timeout)
+               for label, launch, env in multiprocess_runs()}
+    failed = [label for label, ok in results.items() if not ok]
+    print(f"\nmulti-process runs: {len(results) - len(failed)} passed, {len(failed)} failed", flush=True)
+    unit_rc = 0
+    if not args.multiprocess_only:
+        unit_rc = subprocess.run([str(BIN / "python"), "-m", "pytest", "-q", "tests/unit"],
+                                 cwd=ROOT).returncode
+    if failed:
+        print(f"failed multi-process runs: {failed}", flush=True)
+    return 1 if failed or unit_rc else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
