@@ -8,7 +8,8 @@ integration) -> ``examples``.
 
 from .averagers import HierarchicalModelAverager, ModelAverager, PeriodicModelAverager
 from .communication import average_parameters
-from .runtime import init, process_set
+from .optim import PostLocalSGD, PostLocalSGDOptimizer
+from .runtime import init, local_process_set, process_set
 
 __all__ = [
     "init",
@@ -17,4 +18,7 @@ __all__ = [
     "ModelAverager",
     "PeriodicModelAverager",
     "HierarchicalModelAverager",
+    "PostLocalSGDOptimizer",
+    "PostLocalSGD",
+    "local_process_set",
 ]

@@ -13,7 +13,7 @@ from typing import Any, Mapping, Optional
 
 import horovod.torch as hvd
 
-from .communication import TensorsLike, average_tensors, collect_parameters
+from .communication import TensorsLike, average_tensors, collect_parameters, floating_buffers
 from .runtime import check_same_on_all_ranks, members, process_set, rank_to_node
 from .schedule import (
     check_period,
@@ -55,9 +55,14 @@ class ModelAverager(ABC):
         self.step = 0
 
     @abstractmethod
-    def average_parameters(self, params: TensorsLike) -> None:
-        """Average ``params`` if this step is scheduled, then advance ``step``."""
+    def average_parameters(self, params: TensorsLike, *, buffers=None) -> None:
+        """Average ``params`` (and the floating-point ``buffers``, if given) if this step is
+        scheduled, then advance ``step``."""
         raise NotImplementedError
+
+    @staticmethod
+    def _tensors(params: TensorsLike, buffers) -> list:
+        return collect_parameters(params) + floating_buffers(buffers)
 
     def _config(self) -> dict[str, Any]:
         return {"process_set_ranks": members(self.process_set)}
@@ -141,15 +146,17 @@ class PeriodicModelAverager(ModelAverager):
     def _config(self) -> dict[str, Any]:
         return {"period": self.period, "warmup_steps": self.warmup_steps, **super()._config()}
 
-    def average_parameters(self, params: TensorsLike) -> None:
+    def average_parameters(self, params: TensorsLike, *, buffers=None) -> None:
         """Average ``params`` over the process set if this step is scheduled; advance ``step``.
 
         Args:
             params: ``model.parameters()`` or ``optimizer.param_groups`` (parameters whose
                 ``.grad`` is None are skipped).
+            buffers: optional ``model.buffers()``; its floating-point tensors (BatchNorm
+                running statistics) are averaged at the same moments, in the same collective.
         """
         if periodic_fires(self.step, self.period, self.warmup_steps):
-            average_tensors(collect_parameters(params), self.process_set)
+            average_tensors(self._tensors(params, buffers), self.process_set)
         self.step += 1
 
 
@@ -224,14 +231,16 @@ class HierarchicalModelAverager(ModelAverager):
         return {"period_group_size_dict": self.period_group_size_dict,
                 "warmup_steps": self.warmup_steps, **super()._config()}
 
-    def average_parameters(self, params: TensorsLike) -> None:
+    def average_parameters(self, params: TensorsLike, *, buffers=None) -> None:
         """Average ``params`` in this rank's group of the level scheduled now; advance ``step``.
 
         Args:
             params: ``model.parameters()`` or ``optimizer.param_groups`` (parameters whose
                 ``.grad`` is None are skipped).
+            buffers: optional ``model.buffers()``; its floating-point tensors are averaged at
+                the same moments, in the same collective.
         """
         period = hierarchical_period(self.step, self._periods, self.warmup_steps)
         if period is not None and period in self.period_process_set_dict:
-            average_tensors(collect_parameters(params), self.period_process_set_dict[period])
+            average_tensors(self._tensors(params, buffers), self.period_process_set_dict[period])
         self.step += 1

@@ -25,6 +25,9 @@ from .runtime import check_same_on_all_ranks, members
 
 __all__ = [
     "collect_parameters",
+    "floating_buffers",
+    "traffic",
+    "reset_traffic",
     "average_tensors",
     "average_parameters",
     "TensorsLike",
@@ -35,6 +38,30 @@ TensorsLike = Union[Iterable[torch.nn.Parameter], Iterable[dict]]
 # Horovod's torch ops carry these dtypes natively; others go through a float32 buffer.
 _WIRE_DTYPE = {torch.bfloat16: torch.float32}
 _buffers: dict[tuple, torch.Tensor] = {}
+
+# Counted by average_tensors on this rank: averaging rounds over the whole (global) process set,
+# rounds over smaller sets, and the payload bytes this rank handed to allreduce.
+traffic = {"global_allreduces": 0, "local_allreduces": 0, "bytes": 0}
+
+
+def reset_traffic() -> None:
+    """Zero the counters in :data:`traffic`."""
+    for key in traffic:
+        traffic[key] = 0
+
+
+def floating_buffers(buffers) -> list[torch.Tensor]:
+    """The floating-point tensors of ``buffers`` (e.g. ``model.buffers()``: BatchNorm running
+    statistics yes, its integer ``num_batches_tracked`` no)."""
+    if buffers is None:
+        return []
+    selected = []
+    for index, buf in enumerate(buffers):
+        if not isinstance(buf, torch.Tensor):
+            raise TypeError(f"buffers entry #{index}: expected torch.Tensor, got {type(buf).__name__}")
+        if buf.is_floating_point():
+            selected.append(buf)
+    return selected
 
 
 def collect_parameters(params: TensorsLike) -> list[torch.Tensor]:
@@ -134,6 +161,8 @@ def average_tensors(
     if not tensors or len(members(process_set)) == 1:
         return
 
+    global_round = len(members(process_set)) == hvd.size()
+    traffic["global_allreduces" if global_round else "local_allreduces"] += 1
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
@@ -144,6 +173,7 @@ def average_tensors(
             wire = _WIRE_DTYPE.get(dtype, dtype)
             numel = sum(t.numel() for t in group)
             flat = _buffer((set_id, name, wire, group[0].device), numel, wire, group[0].device)
+            traffic["bytes"] += flat.numel() * flat.element_size()
             if wire == dtype:
                 torch.cat([t.reshape(-1) for t in group], out=flat)
             else:

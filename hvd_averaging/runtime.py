@@ -15,6 +15,8 @@ import horovod.torch as hvd
 import torch
 from horovod.torch.mpi_ops import _basics
 
+from .topology import group_of, level_groups
+
 __all__ = [
     "init",
     "process_set",
@@ -24,6 +26,7 @@ __all__ = [
     "config_digest",
     "check_same_on_all_ranks",
     "members",
+    "local_process_set",
 ]
 
 # Sets handed out by process_set(), by their sorted ranks. Horovod refuses to register a set twice,
@@ -212,3 +215,35 @@ def check_same_on_all_ranks(
 def members(process_set: hvd.ProcessSet) -> list[int]:
     """Global ranks of ``process_set``, ascending."""
     return sorted(process_set.ranks) if process_set.ranks else list(range(hvd.size()))
+
+
+def local_process_set(parent: Optional[hvd.ProcessSet] = None,
+                      group_size: Optional[int] = None) -> Optional[hvd.ProcessSet]:
+    """This rank's node-local group inside ``parent`` (default: all ranks), as a process set.
+
+    ``group_size`` defaults to the number of ``parent``'s ranks on this rank's node (which must
+    be the same on every node); a smaller size makes groups inside a node, a larger one groups of
+    whole nodes (the same node-major rule as the hierarchical averager). Collective: every rank
+    registers every group, in the same order. Returns None on ranks outside ``parent``.
+
+    Raises:
+        ValueError: nodes hold different numbers of ``parent``'s ranks and no ``group_size`` was
+            given, or ``group_size`` does not fit the placement.
+    """
+    parent = parent if parent is not None else hvd.global_process_set
+    ranks = members(parent)
+    nodes = rank_to_node()
+    local_nodes = [nodes[r] for r in ranks]
+    if group_size is None:
+        counts = {n: local_nodes.count(n) for n in local_nodes}
+        if len(set(counts.values())) > 1:
+            raise ValueError(
+                f"nodes hold different numbers of ranks {sorted(counts.values())}: give the "
+                "local group size explicitly"
+            )
+        group_size = next(iter(counts.values()))
+    groups = [[ranks[i] for i in g] for g in level_groups(local_nodes, group_size)]
+    sets = [parent if g == ranks else process_set(g) for g in groups]
+    if hvd.rank() not in ranks:
+        return None
+    return sets[groups.index(group_of(groups, hvd.rank()))]
