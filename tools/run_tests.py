@@ -75,6 +75,25 @@ def run_multiprocess(label: str, launcher_args: list[str], extra_env: dict[str, 
     return ok
 
 
+def run_entrypoint_check(timeout_s: int) -> bool:
+    """The Docker image's ``--check`` path, run outside Docker on this machine."""
+    env = dict(os.environ, PYTHON=str(BIN / "python"), PATH=f"{BIN}:{os.environ.get('PATH', '')}")
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    print("\n=== docker/entrypoint.sh --check (outside Docker)", flush=True)
+    try:
+        proc = subprocess.run(["bash", "docker/entrypoint.sh", "--check"], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        print(f"=== FAILED: entrypoint --check killed after {timeout_s} s", flush=True)
+        return False
+    ok = proc.returncode == 0 and "smoke test on 2 ranks over MPI: ok" in proc.stdout
+    print(proc.stdout if not ok else proc.stdout.strip().splitlines()[-1], flush=True)
+    print(f"=== {'ok' if ok else 'FAILED'}: entrypoint --check", flush=True)
+    return ok
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--multiprocess-only", action="store_true")
@@ -82,6 +101,7 @@ def main() -> int:
     args = parser.parse_args()
     results = {label: run_multiprocess(label, launch, env, args.timeout)
                for label, launch, env in multiprocess_runs()}
+    results["entrypoint --check"] = run_entrypoint_check(args.timeout)
     failed = [label for label, ok in results.items() if not ok]
     print(f"\nmulti-process runs: {len(results) - len(failed)} passed, {len(failed)} failed", flush=True)
     unit_rc = 0
