@@ -14,7 +14,7 @@ from typing import Any, Mapping, Optional
 import horovod.torch as hvd
 
 from .communication import TensorsLike, average_tensors, collect_parameters, floating_buffers
-from .runtime import check_same_on_all_ranks, members, process_set, rank_to_node
+from .runtime import check_same_on_all_ranks, members, rank_to_node, register_groups
 from .schedule import (
     check_period,
     check_warmup_steps,
@@ -22,7 +22,7 @@ from .schedule import (
     normalize_hierarchy,
     periodic_fires,
 )
-from .topology import group_of, hierarchy_groups
+from .topology import hierarchy_groups
 
 __all__ = ["ModelAverager", "PeriodicModelAverager", "HierarchicalModelAverager"]
 
@@ -216,16 +216,10 @@ class HierarchicalModelAverager(ModelAverager):
 
         levels = hierarchy_groups(set_ranks, rank_to_node(), list(hierarchy.values()))
         self.period_process_set_dict: dict[int, hvd.ProcessSet] = {}
-        me = hvd.rank()
         for period, groups in zip(hierarchy, levels):
-            level_sets = [self._set_for(group) for group in groups]  # every rank, same order
-            if me in set_ranks:
-                self.period_process_set_dict[period] = level_sets[groups.index(group_of(groups, me))]
-
-    def _set_for(self, group: list[int]) -> hvd.ProcessSet:
-        if group == members(self.process_set):
-            return self.process_set
-        return process_set(group)
+            mine = register_groups(self.process_set, groups)
+            if mine is not None:
+                self.period_process_set_dict[period] = mine
 
     def _config(self) -> dict[str, Any]:
         return {"period_group_size_dict": self.period_group_size_dict,

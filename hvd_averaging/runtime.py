@@ -27,6 +27,7 @@ __all__ = [
     "check_same_on_all_ranks",
     "members",
     "local_process_set",
+    "register_groups",
 ]
 
 # Sets handed out by process_set(), by their sorted ranks. Horovod refuses to register a set twice,
@@ -96,8 +97,7 @@ def process_set(ranks: Iterable[int]) -> hvd.ProcessSet:
 
     Example::
 
-        >>> pair = hva.process_set([hvd.rank() // 2 * 2, hvd.rank() // 2 * 2 + 1])  # wrong!
-        >>> # every rank must register every set, in the same order:
+        >>> # every rank registers every set, in the same order (not only the set it is in):
         >>> pairs = [hva.process_set([0, 1]), hva.process_set([2, 3])]
     """
     _require_initialized("hva.process_set")
@@ -243,7 +243,15 @@ def local_process_set(parent: Optional[hvd.ProcessSet] = None,
             )
         group_size = next(iter(counts.values()))
     groups = [[ranks[i] for i in g] for g in level_groups(local_nodes, group_size)]
-    sets = [parent if g == ranks else process_set(g) for g in groups]
-    if hvd.rank() not in ranks:
+    return register_groups(parent, groups)
+
+
+def register_groups(parent: hvd.ProcessSet, groups: list[list[int]]) -> Optional[hvd.ProcessSet]:
+    """Register every group of one level (collective, same order on every rank) and return the
+    set of this rank's group, or None on ranks outside ``parent``. A group equal to ``parent``
+    is ``parent`` itself."""
+    parent_ranks = members(parent)
+    sets = [parent if group == parent_ranks else process_set(group) for group in groups]
+    if hvd.rank() not in parent_ranks:
         return None
     return sets[groups.index(group_of(groups, hvd.rank()))]
