@@ -148,20 +148,21 @@ def average_tensors(
     except (TypeError, ValueError) as error:
         local_error = error
     set_id = process_set.process_set_id
+    set_ranks = members(process_set)
     layout = [(str(t.dtype), tuple(t.shape)) for t in tensors]
     dtypes = sorted({str(t.dtype).replace("torch.", "") for t in tensors})
     check_same_on_all_ranks(
-        f"the tensors averaged as {name!r} over process set {members(process_set)}",
+        f"the tensors averaged as {name!r} over process set {set_ranks}",
         layout,
         local_error=local_error,
         process_set=process_set,
         name=f"hva.layout.{set_id}.{name}",
         summary=f"{len(tensors)} tensors ({sum(t.numel() for t in tensors)} elements, dtypes {dtypes})",
     )
-    if not tensors or len(members(process_set)) == 1:
+    if not tensors or len(set_ranks) == 1:
         return
 
-    global_round = len(members(process_set)) == hvd.size()
+    global_round = len(set_ranks) == hvd.size()
     traffic["global_allreduces" if global_round else "local_allreduces"] += 1
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:

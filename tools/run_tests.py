@@ -31,13 +31,19 @@ def multiprocess_runs() -> list[tuple[str, list[str], dict[str, str]]]:
     return runs
 
 
-def run_multiprocess(label: str, launcher_args: list[str], extra_env: dict[str, str],
-                     timeout_s: int) -> bool:
-    expected_ranks = int(launcher_args[launcher_args.index("-np") + 1])
-    env = dict(os.environ, **extra_env)
+def launch_env(**extra: str) -> dict[str, str]:
+    """This environment for a horovodrun launch: root allowed, 4 ranks may share 2 cores."""
+    env = dict(os.environ, **extra)
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
+    return env
+
+
+def run_multiprocess(label: str, launcher_args: list[str], extra_env: dict[str, str],
+                     timeout_s: int) -> bool:
+    expected_ranks = int(launcher_args[launcher_args.index("-np") + 1])
+    env = launch_env(**extra_env)
     env["PYTHONPATH"] = str(ROOT / "tests" / "multiprocess")
     files = extra_env.get("HVA_TEST_FILES")
     targets = [files] if files else ["tests/multiprocess", "--ignore=tests/multiprocess/static"]
@@ -77,9 +83,7 @@ def run_multiprocess(label: str, launcher_args: list[str], extra_env: dict[str, 
 
 def run_entrypoint_check(timeout_s: int) -> bool:
     """The Docker image's ``--check`` path, run outside Docker on this machine."""
-    env = dict(os.environ, PYTHON=str(BIN / "python"), PATH=f"{BIN}:{os.environ.get('PATH', '')}")
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    env = launch_env(PYTHON=str(BIN / "python"), PATH=f"{BIN}:{os.environ.get('PATH', '')}")
     print("\n=== docker/entrypoint.sh --check (outside Docker)", flush=True)
     try:
         proc = subprocess.run(["bash", "docker/entrypoint.sh", "--check"], cwd=ROOT, env=env,
