@@ -1,15 +1,16 @@
 """hvd_averaging: PyTorch's model averaging (post-local SGD, hierarchical SGD) on Horovod.
 
 Layers, each importing only the ones before it:
-``topology`` (who averages with whom) -> ``runtime`` (Horovod start-up, process sets, placement)
--> ``communication`` (how tensors travel) -> ``averagers`` (when) -> ``optim`` (training
+``topology`` (who averages with whom) -> ``runtime`` (Horovod start-up, process sets, placement,
+bounded waits) -> ``flat_storage`` (where averaged tensors live) -> ``communication`` (how
+tensors travel) -> ``averagers`` (when) -> ``optim`` (training
 integration) -> ``examples``.
 """
 
 from .averagers import HierarchicalModelAverager, ModelAverager, PeriodicModelAverager
-from .communication import average_parameters
+from .communication import NonFiniteError, average_parameters
 from .optim import PostLocalSGD, PostLocalSGDOptimizer
-from .runtime import init, local_process_set, process_set
+from .runtime import AveragingTimeoutError, init, local_process_set, process_set, set_timeout, timeout
 
 __all__ = [
     "init",
@@ -21,4 +22,8 @@ __all__ = [
     "PostLocalSGDOptimizer",
     "PostLocalSGD",
     "local_process_set",
+    "timeout",
+    "set_timeout",
+    "AveragingTimeoutError",
+    "NonFiniteError",
 ]

@@ -39,13 +39,18 @@ class ModelAverager(ABC):
         process_set: the ``hvd.ProcessSet`` whose members average together. ``None`` means
             Horovod's global process set. Ranks outside it keep their parameters but still
             count steps.
+        check_finite: before each averaging, check every tensor for NaN/Inf and raise
+            ``NonFiniteError`` naming the tensor and rank (on that rank; ``RuntimeError`` naming
+            it on the others) instead of spreading it to every model. Costs one pass over the
+            parameters and one small collective per averaging; off by default.
 
     Attributes:
         step (int): number of ``average_parameters`` calls so far (the training step).
     """
 
-    def __init__(self, process_set: Optional[hvd.ProcessSet] = None):
+    def __init__(self, process_set: Optional[hvd.ProcessSet] = None, *, check_finite: bool = False):
         _require_horovod(type(self).__name__)
+        self.check_finite = bool(check_finite)
         self.process_set = process_set if process_set is not None else hvd.global_process_set
         if self.process_set.process_set_id is None:
             raise ValueError(
@@ -65,7 +70,11 @@ class ModelAverager(ABC):
         return collect_parameters(params) + floating_buffers(buffers)
 
     def _config(self) -> dict[str, Any]:
-        return {"process_set_ranks": members(self.process_set)}
+        return {"process_set_ranks": members(self.process_set), "check_finite": self.check_finite}
+
+    def _average(self, params: TensorsLike, buffers, process_set: hvd.ProcessSet) -> None:
+        average_tensors(self._tensors(params, buffers), process_set, check_finite=self.check_finite,
+                        context=f"{type(self).__name__} step {self.step}")
 
     def state_dict(self) -> dict[str, Any]:
         """The averager's resumable state: ``step`` and the configuration it applies to."""
@@ -130,8 +139,8 @@ class PeriodicModelAverager(ModelAverager):
     """
 
     def __init__(self, period: int, warmup_steps: int = 0,
-                 process_set: Optional[hvd.ProcessSet] = None):
-        super().__init__(process_set)
+                 process_set: Optional[hvd.ProcessSet] = None, *, check_finite: bool = False):
+        super().__init__(process_set, check_finite=check_finite)
         error = None
         try:
             check_period(period, stacklevel=3)
@@ -156,7 +165,7 @@ class PeriodicModelAverager(ModelAverager):
                 running statistics) are averaged at the same moments, in the same collective.
         """
         if periodic_fires(self.step, self.period, self.warmup_steps):
-            average_tensors(self._tensors(params, buffers), self.process_set)
+            self._average(params, buffers, self.process_set)
         self.step += 1
 
 
@@ -198,8 +207,9 @@ class HierarchicalModelAverager(ModelAverager):
     """
 
     def __init__(self, period_group_size_dict: Optional[Mapping[int, int]] = None,
-                 warmup_steps: int = 0, process_set: Optional[hvd.ProcessSet] = None):
-        super().__init__(process_set)
+                 warmup_steps: int = 0, process_set: Optional[hvd.ProcessSet] = None, *,
+                 check_finite: bool = False):
+        super().__init__(process_set, check_finite=check_finite)
         set_ranks = members(self.process_set)
         error = None
         hierarchy: dict[int, int] = {}
@@ -236,5 +246,5 @@ class HierarchicalModelAverager(ModelAverager):
         """
         period = hierarchical_period(self.step, self._periods, self.warmup_steps)
         if period is not None and period in self.period_process_set_dict:
-            average_tensors(self._tensors(params, buffers), self.period_process_set_dict[period])
+            self._average(params, buffers, self.period_process_set_dict[period])
         self.step += 1

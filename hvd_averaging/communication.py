@@ -4,14 +4,20 @@ Design, chosen because of two Horovod 0.28.1 hazards (``shared/horovod-hazards``
 collectives share one group-id counter per process across all process sets, so a grouped call on
 a subset of ranks makes a later grouped call on another set hang; and a grouped call after a used
 set was removed hangs too. Plain ``allreduce_async_`` has neither problem. So the tensors of each
-dtype are packed into one flat buffer (one collective per dtype, never one per tensor), all dtype
-buffers are in flight at once, and each collective has a stable name so Horovod's response cache
-hits step after step. bfloat16 (absent from Horovod's torch ops, horovod#4047) travels in a
-float32 buffer and is rounded back once.
+dtype live in one flat buffer (:mod:`.flat_storage`: parameters view into it, so nothing is
+copied per round), there is one collective per dtype, never one per tensor, all dtype buffers are
+in flight at once, and each collective has a stable name so Horovod's response cache hits step
+after step. bfloat16 (absent from Horovod's torch ops, horovod#4047) travels as float32.
 
-Before the data moves, one small allgather compares a digest of the layout (dtypes, shapes) across
-the set: ranks with different parameter lists would otherwise hang (a dtype only some ranks
-have) or silently average unrelated tensors (equal sizes, different shapes).
+Ranks must agree on what they average, or Horovod hangs (a dtype only some ranks have) or
+silently averages unrelated tensors (equal sizes, different shapes). One small allgather compares
+a digest of the layout (dtypes, shapes) across the set the first time a list of tensors is
+averaged over a set, and whenever the list or its layout changes; rounds over the same tensors
+add no collective. (A list that changes on some ranks only is caught by the timeout below.)
+
+No wait is unbounded: a round that does not finish within :func:`timeout` seconds (a rank died,
+stalled, or averages a different sequence) raises :class:`AveragingTimeoutError` naming the
+round, the process set and the ranks, instead of hanging the job.
 """
 
 from __future__ import annotations
@@ -21,13 +27,15 @@ from typing import Iterable, Optional, Union
 import horovod.torch as hvd
 import torch
 
-from .runtime import check_same_on_all_ranks, members
+from .flat_storage import Packing, pack
+from .runtime import check_same_on_all_ranks, config_digest, members, wait_bounded
 
 __all__ = [
     "collect_parameters",
     "floating_buffers",
     "traffic",
     "reset_traffic",
+    "NonFiniteError",
     "average_tensors",
     "average_parameters",
     "TensorsLike",
@@ -35,13 +43,19 @@ __all__ = [
 
 TensorsLike = Union[Iterable[torch.nn.Parameter], Iterable[dict]]
 
-# Horovod's torch ops carry these dtypes natively; others go through a float32 buffer.
-_WIRE_DTYPE = {torch.bfloat16: torch.float32}
-_buffers: dict[tuple, torch.Tensor] = {}
+# Packings by (name, tensor identities), at most a few: a model averaged again finds its slabs.
+_packings: dict[tuple, Packing] = {}
+_MAX_PACKINGS = 8
+_reused_buffers: dict[tuple, dict] = {}  # per name, for tensors copied through (gradients)
+_agreed_layouts: dict[tuple, int] = {}  # (set id, name) -> layout digest all members agreed on
 
 # Counted by average_tensors on this rank: averaging rounds over the whole (global) process set,
 # rounds over smaller sets, and the payload bytes this rank handed to allreduce.
 traffic = {"global_allreduces": 0, "local_allreduces": 0, "bytes": 0}
+
+
+class NonFiniteError(ValueError):
+    """A tensor to average holds NaN or Inf (raised only with ``check_finite=True``)."""
 
 
 def reset_traffic() -> None:
@@ -114,13 +128,39 @@ def _check_local_layout(tensors: list[torch.Tensor]) -> None:
             )
 
 
-def _buffer(key: tuple, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A reused flat buffer (allocating hundreds of MB every averaging step costs page faults)."""
-    buf = _buffers.get(key)
-    if buf is None or buf.numel() < numel:
-        buf = torch.empty(numel, dtype=dtype, device=device)
-        _buffers[key] = buf
-    return buf[:numel]
+def _cached_packing(tensors: list[torch.Tensor], name: str, bind: bool) -> Optional[Packing]:
+    """The packing made for exactly these tensors, if they still live in it."""
+    if not bind:
+        return None
+    packing = _packings.get((name, tuple(id(t) for t in tensors)))  # holds the tensors: ids stay theirs
+    return packing if packing is not None and packing.still_bound() else None
+
+
+def _new_packing(tensors: list[torch.Tensor], name: str, bind: bool) -> Packing:
+    if not bind:
+        return pack(tensors, bind=False, reuse=_reused_buffers.setdefault(name, {}))
+    packing = pack(tensors, bind=True)
+    key = (name, tuple(id(t) for t in tensors))
+    _packings.pop(key, None)
+    _packings[key] = packing
+    while len(_packings) > _MAX_PACKINGS:
+        _packings.pop(next(iter(_packings)))
+    return packing
+
+
+def _first_non_finite(packing: Packing) -> Optional[str]:
+    """Where the first NaN/Inf is, or None. One reduction per dtype slab, then per tensor only
+    in the slab that has one."""
+    index = {id(t): i for i, t in enumerate(packing.tensors)}
+    for slab in packing.slabs:
+        if bool(torch.isfinite(slab.flat).all()):
+            continue
+        for t in slab.bound + slab.copied:
+            if not bool(torch.isfinite(t).all()):
+                bad = int((~torch.isfinite(t)).sum())
+                return (f"tensor #{index[id(t)]} (shape {tuple(t.shape)}, dtype {t.dtype}) has "
+                        f"{bad} NaN/Inf value(s) on rank {hvd.rank()}")
+    return None
 
 
 def average_tensors(
@@ -128,72 +168,85 @@ def average_tensors(
     process_set: Optional[hvd.ProcessSet] = None,
     *,
     name: str = "params",
+    bind: bool = True,
+    check_finite: bool = False,
+    context: str = "averaging",
 ) -> None:
     """Replace every tensor by its mean over ``process_set``, in place.
 
     Collective over the members of ``process_set``; a rank outside it returns at once. Tensors
-    keep their identity, dtype, shape, memory layout and device.
+    keep their identity, dtype, shape, memory layout and device. With ``bind`` (the default) the
+    tensors are moved into reused flat per-dtype storage on the first call (see
+    :mod:`hvd_averaging.flat_storage`), so later calls copy nothing; pass ``bind=False`` for
+    tensors that are replaced every step (gradients). ``context`` names the round in errors
+    (e.g. the averager and step).
 
     Raises:
         ValueError / TypeError: mixed devices, sparse or integer tensors, on the rank that has
             them; the other members raise ``RuntimeError`` naming that rank (no hang).
         RuntimeError: the count, dtypes or shapes differ across the set (raised on every member).
+        NonFiniteError: with ``check_finite``, a tensor holds NaN/Inf on this rank (checked
+            before any data moves; the other members raise ``RuntimeError`` naming this rank).
+        AveragingTimeoutError: the round did not finish within ``hva.timeout()`` seconds.
+        HorovodInternalError: Horovod failed or was shut down during the round.
     """
     process_set = process_set if process_set is not None else hvd.global_process_set
     if not process_set.included():
         return
-    try:
-        _check_local_layout(tensors)
-        local_error = None
-    except (TypeError, ValueError) as error:
-        local_error = error
     set_id = process_set.process_set_id
     set_ranks = members(process_set)
-    layout = [(str(t.dtype), tuple(t.shape)) for t in tensors]
-    dtypes = sorted({str(t.dtype).replace("torch.", "") for t in tensors})
-    check_same_on_all_ranks(
-        f"the tensors averaged as {name!r} over process set {set_ranks}",
-        layout,
-        local_error=local_error,
-        process_set=process_set,
-        name=f"hva.layout.{set_id}.{name}",
-        summary=f"{len(tensors)} tensors ({sum(t.numel() for t in tensors)} elements, dtypes {dtypes})",
-    )
+    what = f"{context} over process set {set_ranks} ({name!r}, {len(tensors)} tensors)"
+    local_error = None
+    packing = _cached_packing(tensors, name, bind)
+    new_list = packing is None and bind  # a list seen for the first time (or re-bound) is checked
+    if packing is None:
+        try:
+            _check_local_layout(tensors)
+            packing = _new_packing(tensors, name, bind)
+        except (TypeError, ValueError) as error:
+            local_error = error
+    if packing is not None:
+        if packing.layout_digest is None:
+            packing.layout_digest = config_digest(packing.layout)
+        for slab in packing.slabs:
+            slab.copy_in()
+        if check_finite and len(set_ranks) > 1:
+            where = _first_non_finite(packing)
+            if where is not None:
+                local_error = NonFiniteError(
+                    f"{what}: {where}; refusing to average it into every rank's model")
+    agreed_key = (set_id, name)
+    layout_digest = packing.layout_digest if packing is not None else None
+    if (local_error is not None or check_finite or new_list
+            or _agreed_layouts.get(agreed_key) != layout_digest):
+        dtypes = sorted({str(t.dtype).replace("torch.", "") for t in tensors})
+        check_same_on_all_ranks(
+            f"the tensors of {what}",
+            layout_digest,
+            local_error=local_error,
+            process_set=process_set,
+            name=f"hva.layout.{set_id}.{name}",
+            summary=f"{len(tensors)} tensors ({sum(t.numel() for t in tensors)} elements, dtypes {dtypes})",
+        )
+        _agreed_layouts[agreed_key] = layout_digest
     if not tensors or len(set_ranks) == 1:
         return
 
-    global_round = len(set_ranks) == hvd.size()
-    traffic["global_allreduces" if global_round else "local_allreduces"] += 1
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-
-    in_flight = []
-    with torch.no_grad():
-        for dtype, group in by_dtype.items():
-            wire = _WIRE_DTYPE.get(dtype, dtype)
-            numel = sum(t.numel() for t in group)
-            flat = _buffer((set_id, name, wire, group[0].device), numel, wire, group[0].device)
-            traffic["bytes"] += flat.numel() * flat.element_size()
-            if wire == dtype:
-                torch.cat([t.reshape(-1) for t in group], out=flat)
-            else:
-                offset = 0
-                for t in group:
-                    flat[offset:offset + t.numel()].view(t.shape).copy_(t)
-                    offset += t.numel()
-            handle = hvd.allreduce_async_(
-                flat, op=hvd.Average, name=f"hva.{set_id}.{name}.{dtype}".replace("torch.", ""),
-                process_set=process_set,
-            )
-            in_flight.append((handle, flat, group))
-        for handle, flat, group in in_flight:
-            hvd.synchronize(handle)
-            chunks = [c.view(t.shape) for c, t in zip(flat.split([t.numel() for t in group]), group)]
-            torch._foreach_copy_(group, chunks)
+    traffic["global_allreduces" if len(set_ranks) == hvd.size() else "local_allreduces"] += 1
+    handles = []
+    for slab in packing.slabs:
+        traffic["bytes"] += slab.flat.numel() * slab.flat.element_size()
+        handles.append(hvd.allreduce_async_(
+            slab.flat, op=hvd.Average, process_set=process_set,
+            name=f"hva.{set_id}.{name}.{slab.dtype}".replace("torch.", ""),
+        ))
+    wait_bounded(handles, what)
+    for slab in packing.slabs:
+        slab.copy_out()
 
 
-def average_parameters(params: TensorsLike, process_set: Optional[hvd.ProcessSet] = None) -> None:
+def average_parameters(params: TensorsLike, process_set: Optional[hvd.ProcessSet] = None, *,
+                       check_finite: bool = False) -> None:
     """Average parameters (or an optimizer's param groups) over ``process_set`` now, in place.
 
     The one-shot utility behind the averagers: collective over the members of ``process_set``
@@ -205,4 +258,4 @@ def average_parameters(params: TensorsLike, process_set: Optional[hvd.ProcessSet
         >>> hva.init()
         >>> hva.average_parameters(model.parameters())
     """
-    average_tensors(collect_parameters(params), process_set)
+    average_tensors(collect_parameters(params), process_set, check_finite=check_finite)

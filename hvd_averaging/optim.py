@@ -209,7 +209,8 @@ class PostLocalSGD(PostLocalSGDOptimizer):
         if process_set is None:
             return
         grads = [p.grad for p in self._gradient_params if p.grad is not None]
-        average_tensors(grads, process_set, name="grads")
+        average_tensors(grads, process_set, name="grads", bind=False,
+                        context=f"PostLocalSGD gradient allreduce at iteration {self.iteration}")
 
     def step(self, closure=None):
         """Average gradients (global in warm-up, local after), inner step, then average params."""

@@ -7,12 +7,15 @@ must be called by every rank in the same order.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import socket
+import time
 from typing import Hashable, Iterable, Optional
 
 import horovod.torch as hvd
 import torch
+from horovod.common.exceptions import HorovodInternalError
 from horovod.torch.mpi_ops import _basics
 
 from .topology import group_of, level_groups
@@ -28,7 +31,14 @@ __all__ = [
     "members",
     "local_process_set",
     "register_groups",
+    "timeout",
+    "set_timeout",
+    "wait_bounded",
+    "AveragingTimeoutError",
 ]
+
+DEFAULT_TIMEOUT_SECONDS = 45.0
+_timeout_seconds: Optional[float] = None
 
 # Sets handed out by process_set(), by their sorted ranks. Horovod refuses to register a set twice,
 # so averagers and user code share these objects.
@@ -77,6 +87,82 @@ def dynamic_process_sets_enabled() -> bool:
 def registered_process_sets() -> dict[int, list[int]]:
     """Horovod's registered process sets: ``{process_set_id: sorted ranks}``."""
     return {int(k): sorted(v) for k, v in _basics._get_process_set_ids_and_ranks().items()}
+
+
+class AveragingTimeoutError(RuntimeError):
+    """A collective of this library did not complete within :func:`timeout` seconds."""
+
+
+def timeout() -> float:
+    """Seconds a collective of this library may wait for the other ranks: :func:`set_timeout`,
+    else the environment variable ``HVA_TIMEOUT_SECONDS``, else 45.
+
+    Raises:
+        ValueError: ``HVA_TIMEOUT_SECONDS`` is not a positive number.
+    """
+    if _timeout_seconds is not None:
+        return _timeout_seconds
+    raw = os.environ.get("HVA_TIMEOUT_SECONDS")
+    if raw is None:
+        return DEFAULT_TIMEOUT_SECONDS
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"HVA_TIMEOUT_SECONDS={raw!r} is not a number of seconds") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"HVA_TIMEOUT_SECONDS={raw!r} must be a positive number of seconds")
+    return value
+
+
+def set_timeout(seconds: Optional[float]) -> None:
+    """Set the timeout of this library's collectives, in seconds, for this process (None: back
+    to ``HVA_TIMEOUT_SECONDS`` or the default). Raise it when ranks may legitimately arrive far
+    apart (one rank writing a large checkpoint while the others reach the next averaging step).
+
+    Raises:
+        ValueError: ``seconds`` is not a positive finite number.
+    """
+    global _timeout_seconds
+    if seconds is not None:
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not (
+                seconds > 0 and math.isfinite(seconds)):
+            raise ValueError(f"timeout must be a positive number of seconds, got {seconds!r}")
+        seconds = float(seconds)
+    _timeout_seconds = seconds
+
+
+def wait_bounded(handles: list, what: str) -> list:
+    """``hvd.synchronize`` every handle, but give up after :func:`timeout` seconds in all.
+
+    Horovod waits forever for a rank that stalls, and warns only after 60 s (its stall
+    shutdown is off by default and, measured here, does not act under Gloo), so this polls.
+    The pause between polls grows from 50 us to 1 ms: a round that finishes quickly is not
+    delayed, a long one costs one poll per millisecond.
+
+    Raises:
+        AveragingTimeoutError: not done in time; names ``what`` and this rank.
+        HorovodInternalError: Horovod failed or shut down (re-raised with ``what`` prepended,
+            same type, so ``hvd.elastic.run`` still resets on it).
+    """
+    limit = timeout()
+    deadline = time.monotonic() + limit
+    results = []
+    for handle in handles:
+        pause = 5e-5
+        while not hvd.poll(handle):
+            if time.monotonic() > deadline:
+                raise AveragingTimeoutError(
+                    f"{what}: not finished after {limit:g} s on rank {hvd.rank()}: a rank of the "
+                    "set died, stalled, or runs a different sequence of averaging calls or parameter lists "
+                    "(set HVA_TIMEOUT_SECONDS or hva.set_timeout() if ranks may be this far apart)"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+        try:
+            results.append(hvd.synchronize(handle))
+        except HorovodInternalError as error:
+            raise HorovodInternalError(f"{what}: {error}") from error
+    return results
 
 
 def _require_initialized(what: str) -> None:
@@ -193,9 +279,10 @@ def check_same_on_all_ranks(
     """
     process_set = process_set if process_set is not None else hvd.global_process_set
     digest = -1 if local_error is not None else config_digest(config)
-    gathered = hvd.allgather(
+    handle = hvd.allgather_async(
         torch.tensor([digest], dtype=torch.int64), name=name, process_set=process_set
-    ).tolist()
+    )
+    gathered = wait_bounded([handle], f"{what} (cross-rank check)")[0].tolist()
     if local_error is not None:
         raise local_error
     ranks = members(process_set)

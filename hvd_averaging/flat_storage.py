@@ -1,0 +1,149 @@
+"""Where averaged tensors live: one flat buffer per dtype that the tensors view into.
+
+Copying every parameter into a flat buffer before each allreduce and back after it costs two
+passes over the whole model, as much time as the allreduce itself on a fast link. So, the first
+time a list of tensors is averaged, each tensor that owns its storage is moved into a flat
+per-dtype buffer (``tensor.data`` becomes a view of it, with the tensor's own shape and strides,
+so channels_last and transposed layouts are kept); later rounds allreduce the buffer directly and
+copy nothing. The tensors stay the same Python objects, so optimizers, their state and
+``state_dict()``/``load_state_dict()`` (which copies in place) are unaffected.
+
+Tensors that cannot be moved are copied in and out of their slot on every round instead: views
+into a larger storage (the user shares that storage on purpose), tensors sharing storage with
+another tensor of the list, overlapping or gapped strides, and dtypes that travel as another
+dtype (bfloat16 as float32). A tensor whose ``.data`` was later replaced (``model.to()``,
+``load_state_dict(assign=True)``) is detected by its data pointer and the packing is rebuilt.
+
+Local logic only: nothing here talks to other ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+__all__ = ["is_dense_permutation", "DtypeSlab", "Packing", "pack"]
+
+# Horovod's torch ops carry these dtypes natively; others travel in a buffer of the mapped dtype.
+WIRE_DTYPE = {torch.bfloat16: torch.float32}
+
+
+def is_dense_permutation(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """True when ``stride`` lays ``shape`` out densely with no gaps or overlaps in some dimension
+    order (contiguous, channels_last, transposed): exactly ``numel`` consecutive elements."""
+    dims = sorted((st, sz) for sz, st in zip(shape, stride) if sz != 1)
+    if any(sz == 0 for sz in shape):
+        return True
+    expected = 1
+    for st, sz in dims:
+        if st != expected:
+            return False
+        expected *= sz
+    return True
+
+
+def _owns_its_storage(t: torch.Tensor) -> bool:
+    return (
+        t.storage_offset() == 0
+        and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+        and is_dense_permutation(t.shape, t.stride())
+    )
+
+
+@dataclass
+class DtypeSlab:
+    """One dtype's flat buffer and the tensors that live in it (bound) or are copied through it."""
+
+    dtype: torch.dtype
+    wire_dtype: torch.dtype
+    flat: torch.Tensor
+    bound: list[torch.Tensor] = field(default_factory=list)
+    copied: list[torch.Tensor] = field(default_factory=list)
+    copied_slots: list[torch.Tensor] = field(default_factory=list)
+
+    def copy_in(self) -> None:
+        """Copy the tensors that do not live in ``flat`` into their slots."""
+        if self.copied:
+            with torch.no_grad():
+                torch._foreach_copy_(self.copied_slots, self.copied)
+
+    def copy_out(self) -> None:
+        """Copy the averaged slots back into the tensors that do not live in ``flat``."""
+        if self.copied:
+            with torch.no_grad():
+                torch._foreach_copy_(self.copied, self.copied_slots)
+
+
+@dataclass
+class Packing:
+    """Per-dtype slabs for one list of tensors, in the order of first appearance of each dtype."""
+
+    tensors: list[torch.Tensor]
+    slabs: list[DtypeSlab]
+    layout: list[tuple[str, tuple[int, ...]]]
+    _bound_pointers: list[tuple[torch.Tensor, int]]
+    layout_digest: Optional[int] = None  # set by the communication layer, once per packing
+
+    def still_bound(self) -> bool:
+        """False once any bound tensor's ``.data`` was replaced (it no longer views its slab)."""
+        return all(t.data_ptr() == ptr for t, ptr in self._bound_pointers)
+
+    @property
+    def extra_bytes(self) -> int:
+        """Bytes held for tensors that are copied through a slab (the bound ones cost nothing)."""
+        return sum(s.flat.element_size() * sum(t.numel() for t in s.copied) for s in self.slabs)
+
+
+def pack(tensors: list[torch.Tensor], *, bind: bool = True,
+         reuse: Optional[dict] = None) -> Packing:
+    """Lay ``tensors`` out in per-dtype flat buffers.
+
+    With ``bind`` (parameters, buffers), each tensor that owns its storage is moved into its
+    slab: its values are copied once and ``tensor.data`` is made a view of the slab with the
+    tensor's shape and strides. Without it (gradients, which autograd replaces every step),
+    every tensor is copied through its slot, and buffers come from ``reuse`` (a dict kept by the
+    caller, keyed by tensor dtype and device) so that no memory is allocated per call.
+    """
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    storages: dict[int, int] = {}
+    for t in tensors:
+        key = t.untyped_storage().data_ptr()
+        storages[key] = storages.get(key, 0) + 1
+
+    slabs, bound_pointers = [], []
+    with torch.no_grad():
+        for dtype, group in by_dtype.items():
+            wire = WIRE_DTYPE.get(dtype, dtype)
+            numel = sum(t.numel() for t in group)
+            device = group[0].device
+            if reuse is not None and not bind:
+                key = (dtype, device)
+                flat = reuse.get(key)
+                if flat is None or flat.numel() < numel:
+                    flat = reuse[key] = torch.empty(numel, dtype=wire, device=device)
+                flat = flat[:numel]
+            else:
+                flat = torch.empty(numel, dtype=wire, device=device)
+            slab = DtypeSlab(dtype, wire, flat)
+            offset = 0
+            for t in group:
+                movable = (bind and wire == dtype and t.numel() > 0 and _owns_its_storage(t)
+                           and storages[t.untyped_storage().data_ptr()] == 1)
+                if movable:
+                    view = flat.as_strided(t.shape, t.stride(), offset)
+                    view.copy_(t)
+                    t.data = view
+                    slab.bound.append(t)
+                    bound_pointers.append((t, t.data_ptr()))
+                else:
+                    slot = flat[offset:offset + t.numel()].view(t.shape)
+                    slab.copied.append(t)
+                    slab.copied_slots.append(slot)
+                offset += t.numel()
+            slabs.append(slab)
+    layout = [(str(t.dtype), tuple(t.shape)) for t in tensors]
+    return Packing(list(tensors), slabs, layout, bound_pointers)
