@@ -10,7 +10,7 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export OMPI_MCA_rmaps_base_oversubscribe := 1
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: install test test-unit test-multiprocess demo docker clean
+.PHONY: install test test-unit test-multiprocess demo bench docker clean
 
 install: $(VENV)/.installed
 
@@ -39,6 +39,9 @@ test-multiprocess: install
 
 demo: install
 	$(VENV)/bin/horovodrun -np $(NP) $(PY) -m hvd_averaging.examples.train --out results/demo
+
+bench: install
+	$(PY) bench/run.py --out results/bench
 
 docker:
 	@if docker info >/dev/null 2>&1; then \

@@ -13,8 +13,10 @@ from typing import Any, Mapping, Optional
 
 import horovod.torch as hvd
 
-from .communication import TensorsLike, average_tensors, collect_parameters, floating_buffers
-from .runtime import check_same_on_all_ranks, members, rank_to_node, register_groups
+from .communication import (TensorsLike, average_tensors, collect_parameters, floating_buffers,
+                            forget_layout_agreements)
+from .runtime import (check_same_on_all_ranks, forget_process_sets, members, rank_to_node,
+                      register_groups, registered_process_sets)
 from .schedule import (
     check_period,
     check_warmup_steps,
@@ -72,6 +74,16 @@ class ModelAverager(ABC):
     def _config(self) -> dict[str, Any]:
         return {"process_set_ranks": members(self.process_set), "check_finite": self.check_finite}
 
+    def _sets_dropped(self) -> bool:
+        """True when Horovod no longer holds this averager's process sets as they were (an
+        elastic reset shut Horovod down and initialized it again, horovod#4021)."""
+        registered = registered_process_sets()
+        return any(registered.get(s.process_set_id) != members(s) for s in self._process_sets()
+                   if s is not hvd.global_process_set)
+
+    def _process_sets(self) -> list:
+        return [self.process_set]
+
     def _average(self, params: TensorsLike, buffers, process_set: hvd.ProcessSet) -> None:
         average_tensors(self._tensors(params, buffers), process_set, check_finite=self.check_finite,
                         context=f"{type(self).__name__} step {self.step}")
@@ -105,6 +117,19 @@ class ModelAverager(ABC):
                 stacklevel=2,
             )
         self.step = step
+
+    def _rebuild_for_world(self) -> None:
+        """Re-create this averager's process sets after Horovod was re-initialized with another
+        world (an elastic reset drops every process set, horovod#4021). Collective.
+
+        Raises:
+            RuntimeError: the averager runs over a subset of ranks, which has no counterpart in
+                the new world.
+        """
+        if self.process_set is not hvd.global_process_set:
+            raise RuntimeError(
+                f"{type(self).__name__} over process set {members(self.process_set)} cannot follow an "
+                "elastic reset (the new world may not contain those ranks): average over all ranks")
 
 
 class PeriodicModelAverager(ModelAverager):
@@ -223,13 +248,42 @@ class HierarchicalModelAverager(ModelAverager):
         self._periods = list(hierarchy)
         check_same_on_all_ranks("HierarchicalModelAverager arguments", self._config(),
                                 local_error=error, name="hva.agree.hierarchical")
+        self._register_levels()
 
+    def _process_sets(self) -> list:
+        return [self.process_set, *self.period_process_set_dict.values()]
+
+    def _register_levels(self) -> None:
+        self._world = hvd.size()
+        set_ranks = members(self.process_set)
+        hierarchy = self.period_group_size_dict
         levels = hierarchy_groups(set_ranks, rank_to_node(), list(hierarchy.values()))
         self.period_process_set_dict: dict[int, hvd.ProcessSet] = {}
         for period, groups in zip(hierarchy, levels):
             mine = register_groups(self.process_set, groups)
             if mine is not None:
                 self.period_process_set_dict[period] = mine
+
+    def _rebuild_for_world(self) -> None:
+        """After an elastic reset: the largest level becomes the new world, the smaller levels
+        keep their sizes, and every group is registered again. Collective.
+
+        Raises:
+            ValueError: the smaller levels do not fit the new world size (on every rank).
+        """
+        super()._rebuild_for_world()
+        world = hvd.size()
+        resized = dict(self.period_group_size_dict)
+        resized[self._periods[-1]] = world
+        try:
+            hierarchy = normalize_hierarchy(resized, world)
+        except ValueError as error:
+            raise ValueError(
+                f"after the elastic reset the world has {world} ranks and the hierarchy "
+                f"{self.period_group_size_dict} does not fit it ({error}); choose group sizes "
+                "that divide every world size the job may shrink or grow to") from None
+        self.period_group_size_dict = hierarchy
+        self._register_levels()
 
     def _config(self) -> dict[str, Any]:
         return {"period_group_size_dict": self.period_group_size_dict,
@@ -245,6 +299,12 @@ class HierarchicalModelAverager(ModelAverager):
                 the same moments, in the same collective.
         """
         period = hierarchical_period(self.step, self._periods, self.warmup_steps)
+        if period is not None and (hvd.size() != self._world or self._sets_dropped()):
+            # Every rank reaches this firing step with the same step, so rebuilding here (a
+            # collective) is safe without a reset callback.
+            forget_process_sets()
+            forget_layout_agreements()
+            self._rebuild_for_world()
         if period is not None and period in self.period_process_set_dict:
             self._average(params, buffers, self.period_process_set_dict[period])
         self.step += 1

@@ -35,6 +35,7 @@ __all__ = [
     "floating_buffers",
     "traffic",
     "reset_traffic",
+    "forget_layout_agreements",
     "NonFiniteError",
     "average_tensors",
     "average_parameters",
@@ -56,6 +57,12 @@ traffic = {"global_allreduces": 0, "local_allreduces": 0, "bytes": 0}
 
 class NonFiniteError(ValueError):
     """A tensor to average holds NaN or Inf (raised only with ``check_finite=True``)."""
+
+
+def forget_layout_agreements() -> None:
+    """Forget which layouts the ranks agreed on (process set ids are reassigned after an elastic
+    reset, so the next round over each set checks again)."""
+    _agreed_layouts.clear()
 
 
 def reset_traffic() -> None:

@@ -31,6 +31,7 @@ __all__ = [
     "members",
     "local_process_set",
     "register_groups",
+    "forget_process_sets",
     "timeout",
     "set_timeout",
     "wait_bounded",
@@ -70,6 +71,12 @@ def init(comm=None) -> None:
         _mpi_comm = comm
     else:
         hvd.init(process_sets="dynamic")
+    _reset_caches()
+
+
+def forget_process_sets() -> None:
+    """Drop the cached process sets and node placement; call after Horovod was shut down and
+    initialized again (an elastic reset), which drops every process set (horovod#4021)."""
     _reset_caches()
 
 

@@ -98,6 +98,70 @@ def run_entrypoint_check(timeout_s: int) -> bool:
     return ok
 
 
+FAULT_RUNS = [("mpi", 3, 8), ("mpi", 4, 9), ("gloo", 3, 9), ("gloo", 4, 8)]  # die-at 8 fires
+FAULT_BOUND_S = 60
+
+
+def run_rank_death(controller: str, np: int, die_at: int) -> bool:
+    """A rank exits mid-training: the job must stop, non-zero, within FAULT_BOUND_S seconds."""
+    label = f"rank death: {controller} np={np}, rank 1 exits at step {die_at} " \
+            f"({'firing' if die_at % 4 == 0 else 'non-firing'})"
+    cmd = [str(BIN / "horovodrun"), f"--{controller}", "-np", str(np), "-H", f"localhost:{np}",
+           str(BIN / "python"), "tests/faults/rank_dies.py", "--die-at", str(die_at)]
+    print(f"\n=== {label}: {' '.join(cmd[1:])}", flush=True)
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=launch_env(HVA_TIMEOUT_SECONDS="20"),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=FAULT_BOUND_S, start_new_session=True)
+    except subprocess.TimeoutExpired as exc:
+        subprocess.run(["pkill", "-9", "-f", "tests/faults/rank_dies.py"], check=False)
+        print(exc.stdout or "", flush=True)
+        print(f"=== FAILED: {label}: still running after {FAULT_BOUND_S} s (a hang)", flush=True)
+        return False
+    elapsed = time.monotonic() - start
+    out = proc.stdout
+    ok = (proc.returncode != 0 and "rank 1 exits at step" in out
+          and "reached the end of training" not in out)
+    if not ok:
+        print(out, flush=True)
+    stop = [line.strip() for line in out.splitlines()
+            if "Exit code" in line or "exit with status code" in line or "AveragingTimeoutError" in line]
+    print(f"    job ended with exit code {proc.returncode} after {elapsed:.1f} s; {' | '.join(stop[:3])}")
+    print(f"=== {'ok' if ok else 'FAILED'}: {label} ({elapsed:.0f} s)", flush=True)
+    return ok
+
+
+def run_elastic_shrink(timeout_s: int) -> bool:
+    """4-rank elastic Gloo run that loses a worker at batch 10 (tests/faults/elastic_shrink.py)."""
+    import tempfile
+    label = "elastic gloo 4 -> 3 ranks"
+    with tempfile.NamedTemporaryFile("w", suffix=".hosts", delete=False) as hosts:
+        hosts.write("localhost:4\n")
+    # --network-interface lo: without it the elastic driver's interface probe did not finish here
+    cmd = [str(BIN / "horovodrun"), "--gloo", "-np", "4", "--min-np", "2", "--max-np", "4",
+           "--network-interface", "lo", "--host-discovery-script",
+           str(ROOT / "tests/faults/discover_hosts.sh"), str(BIN / "python"), "-u",
+           "tests/faults/elastic_shrink.py"]
+    print(f"\n=== {label}: {' '.join(cmd[1:])}", flush=True)
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=launch_env(HVA_ELASTIC_HOSTS_FILE=hosts.name),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=timeout_s, start_new_session=True)
+        out, rc = proc.stdout, proc.returncode
+    except subprocess.TimeoutExpired as exc:
+        subprocess.run(["pkill", "-9", "-f", "tests/faults/elastic_shrink.py"], check=False)
+        out, rc = exc.stdout or "", None
+    finally:
+        os.unlink(hosts.name)
+    ok = rc == 0 and "elastic ok: resumed on 3 ranks" in out
+    lines = [l for l in out.splitlines() if "size 3, resets" in l or "elastic ok" in l]
+    print(out if not ok else "\n".join(lines), flush=True)
+    print(f"=== {'ok' if ok else 'FAILED'}: {label} ({time.monotonic() - start:.0f} s)", flush=True)
+    return ok
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--multiprocess-only", action="store_true")
@@ -105,6 +169,9 @@ def main() -> int:
     args = parser.parse_args()
     results = {label: run_multiprocess(label, launch, env, args.timeout)
                for label, launch, env in multiprocess_runs()}
+    for controller, np, die_at in FAULT_RUNS:
+        results[f"rank death {controller} np={np} step {die_at}"] = run_rank_death(controller, np, die_at)
+    results["elastic gloo 4 -> 3"] = run_elastic_shrink(args.timeout)
     results["entrypoint --check"] = run_entrypoint_check(args.timeout)
     failed = [label for label, ok in results.items() if not ok]
     print(f"\nmulti-process runs: {len(results) - len(failed)} passed, {len(failed)} failed", flush=True)

@@ -1,0 +1,200 @@
+"""Averaging cost, side by side in one run: hvd_averaging against PyTorch's averaging util and
+raw Horovod, on the same tensors and ranks. Launch under horovodrun (``bench/run.py`` does):
+
+    horovodrun -np 2 -H localhost:2 python bench/bench_averaging.py --out results/bench/mpi-np2.json
+
+Every timed repetition starts after a barrier; a repetition's time is the slowest rank's, and
+the report gives the minimum and median over repetitions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import time
+from pathlib import Path
+
+import horovod
+import horovod.torch as hvd
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.model_averaging import utils as torch_averaging
+
+import hvd_averaging as hva
+from hvd_averaging.communication import average_tensors
+from hvd_averaging.runtime import wait_bounded
+
+
+def resnet_like() -> list[tuple[int, ...]]:
+    """161 tensors, about 42M float32 parameters: a few large conv kernels, many small ones."""
+    shapes = [(1024, 512, 3, 3)] * 8 + [(512, 512, 3, 3)] * 2      # 42.5M in 10 tensors
+    shapes += [(256, 256, 1, 1)] * 3 + [(512, 128, 1, 1)] * 2       # 0.3M
+    shapes += [(256,)] * 73 + [(1024,)] * 73                         # biases and norms
+    assert len(shapes) == 161
+    return shapes
+
+
+def transformer_like(layers: int = 24, d: int = 256) -> list[tuple[int, ...]]:
+    """Hundreds of small tensors: per layer q/k/v/out projections, MLP, two norms."""
+    shapes = [(8000, d)]
+    for _ in range(layers):
+        shapes += [(d, d), (d,)] * 4 + [(4 * d, d), (4 * d,), (d, 4 * d), (d,)] + [(d,), (d,)] * 2
+    return shapes
+
+
+def tiny_mlp() -> list[tuple[int, ...]]:
+    return [(128, 64), (128,), (10, 128), (10,)]
+
+
+SHAPE_SETS = {"resnet-like 161 tensors": resnet_like, "transformer-like": transformer_like,
+              "tiny MLP": tiny_mlp}
+
+
+def make_params(shapes, seed: int) -> list[torch.nn.Parameter]:
+    generator = torch.Generator().manual_seed(seed)
+    params = []
+    for shape in shapes:
+        p = torch.nn.Parameter(torch.randn(shape, generator=generator))
+        p.grad = torch.zeros_like(p)  # averagers skip parameters without gradients
+        params.append(p)
+    return params
+
+
+def rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def peak_extra_mib(fn) -> float:
+    """Peak resident memory above the current one while ``fn`` runs (Linux: reset VmHWM)."""
+    Path("/proc/self/clear_refs").write_text("5")
+    before = rss_kib("VmRSS")
+    fn()
+    return max(0, rss_kib("VmHWM") - before) / 1024
+
+
+def slowest_rank(seconds: float, tag: str) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    return float(hvd.allreduce(t, op=hvd.Max, name=f"bench.time.{tag}"))
+
+
+def timed(fn, reps: int, tag: str) -> dict:
+    fn()  # warm-up: buffers, response cache, first-call checks
+    times = []
+    for rep in range(reps):
+        hvd.barrier()
+        start = time.perf_counter()
+        fn()
+        times.append(slowest_rank(time.perf_counter() - start, f"{tag}.{rep}"))
+    return {"min_s": min(times), "median_s": statistics.median(times), "reps": reps}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="JSON file written by rank 0")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--process-sets", choices=["dynamic", "static"], default="dynamic",
+                        help="how the groups of 2 are registered (Horovod dynamic or at init)")
+    parser.add_argument("--shapes", nargs="*", default=list(SHAPE_SETS))
+    args = parser.parse_args()
+
+    size = int(os.environ.get("HOROVOD_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE"))
+    pairs = [list(range(i, min(i + 2, size))) for i in range(0, size, 2)] if size > 2 else []
+    if args.process_sets == "static":
+        hvd.init(process_sets=[hvd.ProcessSet(p) for p in pairs])
+    else:
+        hva.init()
+    rank, size = hvd.rank(), hvd.size()
+    pair_sets = [hva.process_set(p) for p in pairs]  # registered (dynamic) or found (static)
+    local_set = next((s for s, p in zip(pair_sets, pairs) if rank in p), hvd.global_process_set)
+
+    master = hvd.broadcast_object(socket.gethostname() if rank == 0 else None, 0, name="bench.host")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1" if master == socket.gethostname() else master)
+    os.environ.setdefault("MASTER_PORT", os.environ.get("BENCH_TORCH_PORT", "29533"))
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+    controller = "mpi" if hvd.mpi_enabled() else "gloo"
+
+    report = {"controller": controller, "ranks": size, "process_sets": args.process_sets,
+              "host": socket.gethostname(), "cpus": os.cpu_count(), "torch": torch.__version__,
+              "horovod": horovod.__version__, "shape_sets": {}}
+    for set_name in args.shapes:
+        shapes = SHAPE_SETS[set_name]()
+        params = make_params(shapes, seed=rank)
+        numel = sum(p.numel() for p in params)
+        nbytes = numel * 4
+        tag = set_name.split()[0]
+        flat = torch.randn(numel)
+        scratch = torch.empty_like(flat)
+        torch_params = make_params(shapes, seed=rank)
+        per_tensor_params = make_params(shapes, seed=rank)
+        grouped_params = make_params(shapes, seed=rank)
+
+        def per_tensor():
+            handles = [hvd.allreduce_async_(p.data, op=hvd.Average, name=f"bench.pt.{tag}.{i}")
+                       for i, p in enumerate(per_tensor_params)]
+            for h in handles:
+                hvd.synchronize(h)
+
+        methods = {
+            "hva.average_parameters": lambda: hva.average_parameters(params),
+            "PyTorch utils.average_parameters (Gloo)":
+                lambda: torch_averaging.average_parameters(iter(torch_params), dist.group.WORLD),
+            "Horovod per-tensor allreduce_async_": per_tensor,
+            "Horovod grouped_allreduce_":
+                lambda: hvd.grouped_allreduce_([p.data for p in grouped_params], op=hvd.Average,
+                                               name=f"bench.grouped.{tag}"),
+            "floor: one allreduce_ of a flat buffer":
+                lambda: hvd.allreduce_(flat, op=hvd.Average, name=f"bench.flat.{tag}"),
+            "floor, polled wait (as hva waits)": lambda: wait_bounded(
+                [hvd.allreduce_async_(flat, op=hvd.Average, name=f"bench.flatp.{tag}")], "floor"),
+            "memcpy of the flat buffer": lambda: scratch.copy_(flat),
+        }
+        if size > 2:
+            methods["hva level: groups of 2"] = lambda: average_tensors(params, local_set)
+            methods["hva level: all ranks"] = lambda: average_tensors(params, hvd.global_process_set)
+        reps = args.reps if numel > 1_000_000 else args.reps * 4
+        results = {}
+        for label, fn in methods.items():
+            results[label] = timed(fn, reps, f"{tag}.{len(results)}")
+        # Peak extra memory of one call, after warm-up (the first hva call binds the storage).
+        memory = {
+            "hva.average_parameters": peak_extra_mib(lambda: hva.average_parameters(params)),
+            "PyTorch utils.average_parameters (Gloo)": peak_extra_mib(
+                lambda: torch_averaging.average_parameters(iter(torch_params), dist.group.WORLD)),
+            "floor: one allreduce_ of a flat buffer": peak_extra_mib(
+                lambda: hvd.allreduce_(flat, op=hvd.Average, name=f"bench.flat.{tag}")),
+        }
+        first_bind = make_params(shapes, seed=rank)
+        memory["hva first call (moves params into flat storage)"] = peak_extra_mib(
+            lambda: hva.average_parameters(first_bind))
+        del first_bind
+
+        averager = hva.PeriodicModelAverager(period=1 << 40)
+        averager.average_parameters(params)  # step 0 fires; every later call is a non-firing step
+        calls = 20000 if numel < 1_000_000 else 5000
+        start = time.perf_counter()
+        for _ in range(calls):
+            averager.average_parameters(params)
+        non_firing_us = (time.perf_counter() - start) / calls * 1e6
+
+        report["shape_sets"][set_name] = {
+            "tensors": len(shapes), "parameters": numel, "bytes": nbytes, "methods": results,
+            "peak_extra_mib": memory, "non_firing_step_us": non_firing_us,
+        }
+        if rank == 0:
+            line = ", ".join(f"{k}: {v['min_s'] * 1e3:.2f} ms" for k, v in results.items())
+            print(f"[{controller} np={size} {args.process_sets}] {set_name}: {line}", flush=True)
+        del params, torch_params, per_tensor_params, grouped_params, flat, scratch
+    dist.destroy_process_group()
+    if rank == 0:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

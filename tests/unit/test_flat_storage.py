@@ -1,0 +1,93 @@
+"""Flat per-dtype storage: pure local logic, no Horovod."""
+import pytest
+import torch
+
+from hvd_averaging.flat_storage import is_dense_permutation, pack
+
+
+@pytest.mark.parametrize("tensor, dense", [
+    (torch.empty(4, 5), True),
+    (torch.empty(2, 3, 4, 5).to(memory_format=torch.channels_last), True),
+    (torch.empty(4, 6).t(), True),
+    (torch.empty(1, 7), True),
+    (torch.empty(0, 3), True),
+    (torch.empty(4, 6)[:, ::2], False),        # gaps
+    (torch.empty(3, 1).expand(3, 4), False),   # overlap (stride 0)
+    (torch.empty(4, 6)[1:], True),             # dense, though it does not own its storage
+])
+def test_is_dense_permutation(tensor, dense):
+    assert is_dense_permutation(tensor.shape, tensor.stride()) is dense
+
+
+def params(*shapes, dtype=torch.float32):
+    return [torch.nn.Parameter(torch.randn(s).to(dtype)) for s in shapes]
+
+
+def test_pack_moves_tensors_into_one_slab_per_dtype_keeping_values_and_layout():
+    conv = torch.nn.Parameter(torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last))
+    tensors = [conv] + params((4, 6), (6,)) + params((3,), dtype=torch.float64)
+    values = [t.detach().clone() for t in tensors]
+    ids = [id(t) for t in tensors]
+    packing = pack(tensors)
+    assert [id(t) for t in tensors] == ids
+    assert [s.dtype for s in packing.slabs] == [torch.float32, torch.float64]
+    assert [len(s.bound) for s in packing.slabs] == [3, 1] and packing.extra_bytes == 0
+    for t, v in zip(tensors, values):
+        assert torch.equal(t, v) and t.stride() == v.stride()
+    assert conv.is_contiguous(memory_format=torch.channels_last)
+    flat = packing.slabs[0].flat
+    start = flat.data_ptr()
+    assert {t.data_ptr() for t in tensors[:3]} <= set(range(start, start + flat.numel() * 4))
+    # the slab is the tensors' storage: writing it writes them
+    flat.fill_(2.0)
+    assert all(bool((t == 2).all()) for t in tensors[:3])
+    assert packing.still_bound()
+
+
+def test_an_optimizer_step_and_load_state_dict_write_into_the_slab():
+    model = torch.nn.Linear(3, 2)
+    packing = pack(list(model.parameters()))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.5)
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    assert torch.equal(packing.slabs[0].flat[:6].view(2, 3), model.weight.detach())
+    model.load_state_dict({"weight": torch.zeros(2, 3), "bias": torch.ones(2)})
+    assert packing.still_bound()
+    assert packing.slabs[0].flat.tolist() == [0.0] * 6 + [1.0] * 2
+
+
+def test_replacing_data_is_detected():
+    model = torch.nn.Linear(3, 2)
+    packing = pack(list(model.parameters()))
+    model.weight.data = torch.zeros(2, 3)
+    assert not packing.still_bound()
+
+
+def test_views_shared_storage_and_bfloat16_are_copied_through_their_slot():
+    base = torch.randn(4, 6)
+    views = [torch.nn.Parameter(base[:2]), torch.nn.Parameter(base[2:])]  # one storage
+    strided = torch.nn.Parameter(torch.randn(4, 6)[:, ::2])
+    half = params((5,), dtype=torch.bfloat16)
+    tensors = views + [strided] + half
+    values = [t.detach().clone() for t in tensors]
+    packing = pack(tensors)
+    assert all(len(s.bound) == 0 for s in packing.slabs)
+    assert packing.slabs[1].wire_dtype == torch.float32 and packing.slabs[1].dtype == torch.bfloat16
+    for slab in packing.slabs:
+        slab.copy_in()
+        slab.flat.mul_(2)
+        slab.copy_out()
+    for t, v in zip(tensors, values):
+        assert torch.equal(t.detach(), (v.float() * 2).to(v.dtype))
+    assert views[0].data_ptr() == base.data_ptr()  # still sharing the user's storage
+    assert packing.extra_bytes == 4 * (24 + 12 + 5)
+
+
+def test_without_bind_buffers_are_reused_per_dtype():
+    reuse = {}
+    grads = [torch.randn(3), torch.randn(2).to(torch.bfloat16)]
+    first = pack(grads, bind=False, reuse=reuse)
+    second = pack([torch.randn(3), torch.randn(2).to(torch.bfloat16)], bind=False, reuse=reuse)
+    assert [s.flat.data_ptr() for s in first.slabs] == [s.flat.data_ptr() for s in second.slabs]
+    assert first.slabs[0].flat.data_ptr() != first.slabs[1].flat.data_ptr()
+    assert all(len(s.bound) == 0 for s in first.slabs)
