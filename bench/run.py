@@ -142,14 +142,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(ROOT / "results" / "bench"))
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--report-only", action="store_true",
+                        help="rewrite bench.md/png from the JSON files already in --out")
     args = parser.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     reports = {}
     for i, (controller, np, sets) in enumerate(RUNS):
         path = out_dir / f"{controller}-np{np}-{sets}.json"
-        launch(controller, np, sets, path, args.reps, 29533 + i)
-        reports[(controller, np, sets)] = json.loads(path.read_text())
+        if not args.report_only:
+            launch(controller, np, sets, path, args.reps, 29533 + i)
+        if path.exists():
+            reports[(controller, np, sets)] = json.loads(path.read_text())
     text = report(reports, out_dir)
     (out_dir / "bench.md").write_text(text)
     chart(reports, out_dir / "bench.png")
