@@ -71,16 +71,12 @@ def init(comm=None) -> None:
         _mpi_comm = comm
     else:
         hvd.init(process_sets="dynamic")
-    _reset_caches()
+    forget_process_sets()
 
 
 def forget_process_sets() -> None:
     """Drop the cached process sets and node placement; call after Horovod was shut down and
     initialized again (an elastic reset), which drops every process set (horovod#4021)."""
-    _reset_caches()
-
-
-def _reset_caches() -> None:
     global _rank_to_node_cache
     _sets_by_ranks.clear()
     _rank_to_node_cache = None

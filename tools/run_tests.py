@@ -40,6 +40,20 @@ def launch_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def launch(cmd: list[str], env: dict[str, str], timeout_s: int, kill_pattern: str):
+    """Run a launch, output merged; past ``timeout_s`` kill whatever matches ``kill_pattern``.
+    Returns (output, exit code or None when killed)."""
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=timeout_s,
+                              start_new_session=True)
+        return proc.stdout, proc.returncode
+    except subprocess.TimeoutExpired as exc:
+        subprocess.run(["pkill", "-9", "-f", kill_pattern], check=False)
+        output = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        return output, None
+
+
 def run_multiprocess(label: str, launcher_args: list[str], extra_env: dict[str, str],
                      timeout_s: int) -> bool:
     expected_ranks = int(launcher_args[launcher_args.index("-np") + 1])
@@ -52,15 +66,7 @@ def run_multiprocess(label: str, launcher_args: list[str], extra_env: dict[str, 
            "-o", "testpaths=", *targets]
     print(f"\n=== multi-process: {label}: {' '.join(cmd[1:])}", flush=True)
     start = time.monotonic()
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, timeout=timeout_s,
-                              start_new_session=True)
-        output, rc = proc.stdout, proc.returncode
-    except subprocess.TimeoutExpired as exc:
-        output = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        rc = None
-        subprocess.run(["pkill", "-9", "-f", "tests/multiprocess"], check=False)
+    output, rc = launch(cmd, env, timeout_s, "tests/multiprocess")
     elapsed = time.monotonic() - start
     # horovodrun prefixes each rank's output with [rank] (Gloo) or [1,rank] (MPI)
     summaries = re.findall(
@@ -110,24 +116,20 @@ def run_rank_death(controller: str, np: int, die_at: int) -> bool:
            str(BIN / "python"), "tests/faults/rank_dies.py", "--die-at", str(die_at)]
     print(f"\n=== {label}: {' '.join(cmd[1:])}", flush=True)
     start = time.monotonic()
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=launch_env(HVA_TIMEOUT_SECONDS="20"),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              timeout=FAULT_BOUND_S, start_new_session=True)
-    except subprocess.TimeoutExpired as exc:
-        subprocess.run(["pkill", "-9", "-f", "tests/faults/rank_dies.py"], check=False)
-        print(exc.stdout or "", flush=True)
+    out, rc = launch(cmd, launch_env(HVA_TIMEOUT_SECONDS="20"), FAULT_BOUND_S,
+                     "tests/faults/rank_dies.py")
+    if rc is None:
+        print(out, flush=True)
         print(f"=== FAILED: {label}: still running after {FAULT_BOUND_S} s (a hang)", flush=True)
         return False
     elapsed = time.monotonic() - start
-    out = proc.stdout
-    ok = (proc.returncode != 0 and "rank 1 exits at step" in out
+    ok = (rc != 0 and "rank 1 exits at step" in out
           and "reached the end of training" not in out)
     if not ok:
         print(out, flush=True)
     stop = [line.strip() for line in out.splitlines()
             if "Exit code" in line or "exit with status code" in line or "AveragingTimeoutError" in line]
-    print(f"    job ended with exit code {proc.returncode} after {elapsed:.1f} s; {' | '.join(stop[:3])}")
+    print(f"    job ended with exit code {rc} after {elapsed:.1f} s; {' | '.join(stop[:3])}")
     print(f"=== {'ok' if ok else 'FAILED'}: {label} ({elapsed:.0f} s)", flush=True)
     return ok
 
@@ -146,13 +148,8 @@ def run_elastic_shrink(timeout_s: int) -> bool:
     print(f"\n=== {label}: {' '.join(cmd[1:])}", flush=True)
     start = time.monotonic()
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=launch_env(HVA_ELASTIC_HOSTS_FILE=hosts.name),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              timeout=timeout_s, start_new_session=True)
-        out, rc = proc.stdout, proc.returncode
-    except subprocess.TimeoutExpired as exc:
-        subprocess.run(["pkill", "-9", "-f", "tests/faults/elastic_shrink.py"], check=False)
-        out, rc = exc.stdout or "", None
+        out, rc = launch(cmd, launch_env(HVA_ELASTIC_HOSTS_FILE=hosts.name), timeout_s,
+                         "tests/faults/elastic_shrink.py")
     finally:
         os.unlink(hosts.name)
     ok = rc == 0 and "elastic ok: resumed on 3 ranks" in out
