@@ -83,15 +83,20 @@ def slowest_rank(seconds: float, tag: str) -> float:
     return float(hvd.allreduce(t, op=hvd.Max, name=f"bench.time.{tag}"))
 
 
-def timed(fn, reps: int, tag: str) -> dict:
-    fn()  # warm-up: buffers, response cache, first-call checks
-    times = []
+def timed_interleaved(methods: dict, reps: int, tag: str) -> dict:
+    """Time every method ``reps`` times, round-robin (one repetition of each method per round),
+    so that a slow phase of the machine hits all methods alike rather than one of them."""
+    for fn in methods.values():
+        fn()  # warm-up: buffers, response cache, first-call checks
+    times = {label: [] for label in methods}
     for rep in range(reps):
-        hvd.barrier()
-        start = time.perf_counter()
-        fn()
-        times.append(slowest_rank(time.perf_counter() - start, f"{tag}.{rep}"))
-    return {"min_s": min(times), "median_s": statistics.median(times), "reps": reps}
+        for i, (label, fn) in enumerate(methods.items()):
+            hvd.barrier()
+            start = time.perf_counter()
+            fn()
+            times[label].append(slowest_rank(time.perf_counter() - start, f"{tag}.{rep}.{i}"))
+    return {label: {"min_s": min(t), "median_s": statistics.median(t), "reps": reps}
+            for label, t in times.items()}
 
 
 def main() -> None:
@@ -99,14 +104,17 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="JSON file written by rank 0")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--process-sets", choices=["dynamic", "static"], default="dynamic",
-                        help="how the groups of 2 are registered (Horovod dynamic or at init)")
+                        help="how the groups of 2 are registered: dynamic (hva.init()) or at start-up "
+                             "(hva.init(group_sizes=[2]))")
     parser.add_argument("--shapes", nargs="*", default=list(SHAPE_SETS))
+    parser.add_argument("--levels-only", action="store_true",
+                        help="time only the hierarchy levels and the floor (dynamic vs static runs)")
     args = parser.parse_args()
 
     size = int(os.environ.get("HOROVOD_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE"))
     pairs = [list(range(i, min(i + 2, size))) for i in range(0, size, 2)] if size > 2 else []
-    if args.process_sets == "static":
-        hvd.init(process_sets=[hvd.ProcessSet(p) for p in pairs])
+    if args.process_sets == "static" and pairs:
+        hva.init(group_sizes=[2])  # the pairs registered at start-up, no dynamic process sets
     else:
         hva.init()
     rank, size = hvd.rank(), hvd.size()
@@ -158,29 +166,31 @@ def main() -> None:
             methods["hva level: groups of 2"] = lambda: average_tensors(params, local_set)
             methods["hva level: all ranks"] = lambda: average_tensors(params, hvd.global_process_set)
         reps = args.reps if numel > 1_000_000 else args.reps * 4
-        results = {}
-        for label, fn in methods.items():
-            results[label] = timed(fn, reps, f"{tag}.{len(results)}")
-        # Peak extra memory of one call, after warm-up (the first hva call binds the storage).
-        memory = {
-            "hva.average_parameters": peak_extra_mib(lambda: hva.average_parameters(params)),
-            "PyTorch utils.average_parameters (Gloo)": peak_extra_mib(
-                lambda: torch_averaging.average_parameters(iter(torch_params), dist.group.WORLD)),
-            "floor: one allreduce_ of a flat buffer": peak_extra_mib(
-                lambda: hvd.allreduce_(flat, op=hvd.Average, name=f"bench.flat.{tag}")),
-        }
-        first_bind = make_params(shapes, seed=rank)
-        memory["hva first call (moves params into flat storage)"] = peak_extra_mib(
-            lambda: hva.average_parameters(first_bind))
-        del first_bind
+        if args.levels_only:
+            methods = {k: v for k, v in methods.items() if k.startswith("hva level") or k.startswith("floor")}
+        results = timed_interleaved(methods, reps, tag)
+        memory, non_firing_us = {}, None
+        if not args.levels_only:
+            # Peak extra memory of one call, after warm-up (the first hva call binds the storage).
+            memory = {
+                "hva.average_parameters": peak_extra_mib(lambda: hva.average_parameters(params)),
+                "PyTorch utils.average_parameters (Gloo)": peak_extra_mib(
+                    lambda: torch_averaging.average_parameters(iter(torch_params), dist.group.WORLD)),
+                "floor: one allreduce_ of a flat buffer": peak_extra_mib(
+                    lambda: hvd.allreduce_(flat, op=hvd.Average, name=f"bench.flat.{tag}")),
+            }
+            first_bind = make_params(shapes, seed=rank)
+            memory["hva first call (moves params into flat storage)"] = peak_extra_mib(
+                lambda: hva.average_parameters(first_bind))
+            del first_bind
 
-        averager = hva.PeriodicModelAverager(period=1 << 40)
-        averager.average_parameters(params)  # step 0 fires; every later call is a non-firing step
-        calls = 20000 if numel < 1_000_000 else 5000
-        start = time.perf_counter()
-        for _ in range(calls):
-            averager.average_parameters(params)
-        non_firing_us = (time.perf_counter() - start) / calls * 1e6
+            averager = hva.PeriodicModelAverager(period=1 << 40)
+            averager.average_parameters(params)  # step 0 fires; every later call is a non-firing step
+            calls = 20000 if numel < 1_000_000 else 5000
+            start = time.perf_counter()
+            for _ in range(calls):
+                averager.average_parameters(params)
+            non_firing_us = (time.perf_counter() - start) / calls * 1e6
 
         report["shape_sets"][set_name] = {
             "tensors": len(shapes), "parameters": numel, "bytes": nbytes, "methods": results,

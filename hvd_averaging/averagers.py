@@ -221,7 +221,7 @@ class HierarchicalModelAverager(ModelAverager):
     Example::
 
         >>> import hvd_averaging as hva
-        >>> hva.init()
+        >>> hva.init(group_sizes=[2])  # the pairs registered at start-up (or hva.init(): dynamic)
         >>> # 4 ranks: pairs every 2 steps, everyone every 8, from step 100 on
         >>> averager = hva.HierarchicalModelAverager({2: 2, 8: 4}, warmup_steps=100)
         >>> for step in range(200):

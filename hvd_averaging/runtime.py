@@ -11,14 +11,15 @@ import math
 import os
 import socket
 import time
-from typing import Hashable, Iterable, Optional
+import warnings
+from typing import Hashable, Iterable, Optional, Sequence
 
 import horovod.torch as hvd
 import torch
 from horovod.common.exceptions import HorovodInternalError
 from horovod.torch.mpi_ops import _basics
 
-from .topology import group_of, level_groups
+from .topology import group_of, level_groups, static_groups
 
 __all__ = [
     "init",
@@ -48,30 +49,108 @@ _mpi_comm = None  # the communicator Horovod was initialized over (None: MPI's w
 _rank_to_node_cache: Optional[tuple[int, list[Hashable]]] = None
 
 
-def init(comm=None) -> None:
-    """Initialize Horovod with dynamic process sets, so averagers can create their groups.
+def init(comm=None, *, group_sizes: Optional[Sequence[int]] = None) -> None:
+    """Initialize Horovod so that averagers can have their groups.
+
+    Without ``group_sizes``, Horovod starts with dynamic process sets: any group can be
+    registered later. That has a price: every Horovod cycle (about 1 ms) does one more small
+    coordination over all ranks, which shows in latency-bound averaging (``make bench``
+    compares both modes).
+
+    With ``group_sizes``, the group size of every level the job will average at (the keys of a
+    :class:`HierarchicalModelAverager`'s ``period_group_size_dict``, the local group size of
+    post-local SGD), the groups of those levels are computed from the node placement and
+    registered at start-up, and Horovod runs without dynamic process sets. That needs the
+    placement before Horovod starts, which is known over MPI (``Split_type(COMM_TYPE_SHARED)``
+    on ``comm``) and under ``horovodrun --gloo`` on one host. Where it is not (Gloo over several
+    hosts) or where the sets would not survive (elastic jobs: a reset drops every set), Horovod
+    starts with dynamic process sets and a warning says why. Averaging at a group size not in
+    ``group_sizes`` then raises ``RuntimeError`` on every rank.
 
     Over MPI (``mpirun``/``horovodrun`` with MPI) Horovod runs over ``comm`` (an ``mpi4py``
     communicator; default ``MPI.COMM_WORLD``); under ``horovodrun --gloo`` over Gloo. A no-op when
     Horovod is already initialized. If it was initialized without dynamic process sets, the
-    averagers can still use sets registered at ``hvd.init(process_sets=[...])`` and raise a
-    ``RuntimeError`` for any other.
+    averagers can still use sets registered at ``hvd.init(process_sets=[...])``.
+
+    Raises:
+        ValueError: ``group_sizes`` is not a list of positive integers, or a size does not fit
+            the placement (raised on every rank, before Horovod starts).
 
     Example::
 
         >>> import hvd_averaging as hva
-        >>> hva.init()
-        >>> pair = hva.process_set([0, 1])  # collective: every rank calls it
+        >>> hva.init(group_sizes=[2])            # pairs registered at start-up
+        >>> averager = hva.HierarchicalModelAverager({2: 2, 8: hvd.size()}, warmup_steps=0)
     """
-    global _mpi_comm
+    global _mpi_comm, _rank_to_node_cache
     if hvd.is_initialized():
+        if group_sizes is not None:
+            warnings.warn("hva.init(group_sizes=...) after Horovod was initialized does nothing: "
+                          "process sets can be registered statically only at start-up", stacklevel=2)
         return
+    static_sets, placement = None, None
+    if group_sizes is not None:
+        placement, why_not = _placement_before_start(comm)
+        if placement is not None:
+            static_sets = static_groups(placement, group_sizes)  # ValueError: same on every rank
+        else:
+            # Same sizes checked against a one-node placement, so a typo still fails fast.
+            static_groups(["?"] * _world_size_before_start(comm), group_sizes)
+            warnings.warn(f"hva.init(group_sizes={list(group_sizes)}): {why_not}; starting Horovod "
+                          "with dynamic process sets instead", stacklevel=2)
+    mode = [hvd.ProcessSet(group) for group in static_sets] if static_sets is not None else "dynamic"
     if comm is not None:
-        hvd.init(comm=comm, process_sets="dynamic")
+        hvd.init(comm=comm, process_sets=mode)
         _mpi_comm = comm
     else:
-        hvd.init(process_sets="dynamic")
+        hvd.init(process_sets=mode)
     forget_process_sets()
+    if placement is not None:
+        _rank_to_node_cache = (len(placement), list(placement))
+
+
+def _world_size_before_start(comm) -> int:
+    if _gloo_controller():
+        return int(os.environ.get("HOROVOD_SIZE", "1"))
+    if comm is None:
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+    return comm.Get_size()
+
+
+def _gloo_controller() -> bool:
+    return os.environ.get("HOROVOD_CONTROLLER", "").strip().lower() == "gloo"
+
+
+def _placement_before_start(comm) -> tuple[Optional[list[Hashable]], str]:
+    """Node of every rank, known before Horovod starts, or (None, why not). The decision is the
+    same on every rank: it depends only on what the launcher gave every rank alike."""
+    if os.environ.get("HOROVOD_ELASTIC", "") == "1":
+        return None, "an elastic job's reset drops every process set registered at start-up"
+    if _gloo_controller():
+        size = int(os.environ.get("HOROVOD_SIZE", "1"))
+        # One host holds every rank exactly when this rank's host does, so all ranks agree.
+        if int(os.environ.get("HOROVOD_LOCAL_SIZE", "0")) == size:
+            return [os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()] * size, ""
+        return None, ("under horovodrun --gloo over several hosts the placement is known only "
+                      "after Horovod starts")
+    from mpi4py import MPI
+
+    comm = comm if comm is not None else MPI.COMM_WORLD
+    return _mpi_placement(comm), ""
+
+
+def _mpi_placement(comm) -> list[Hashable]:
+    """Node of every rank of ``comm``, each node named by its lowest rank (collective on ``comm``)."""
+    from mpi4py import MPI
+
+    node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    try:
+        node_leader = node_comm.allreduce(comm.Get_rank(), op=MPI.MIN)
+    finally:
+        node_comm.Free()
+    return list(comm.allgather(node_leader))
 
 
 def forget_process_sets() -> None:
@@ -216,9 +295,9 @@ def process_set(ranks: Iterable[int]) -> hvd.ProcessSet:
     if not dynamic_process_sets_enabled():
         raise RuntimeError(
             f"process set for ranks {list(key)} is not registered and Horovod was initialized "
-            "without dynamic process sets. Either call hva.init() instead of hvd.init() (it "
-            "enables dynamic process sets), or register the set at start-up: "
-            f"hvd.init(process_sets=[hvd.ProcessSet({list(key)}), ...])"
+            "without dynamic process sets. Register its level at start-up (hva.init("
+            f"group_sizes=[..., {len(key)}]) or hvd.init(process_sets=[hvd.ProcessSet({list(key)}), "
+            "...])), or call hva.init() without group_sizes (dynamic process sets)"
         )
     created = hvd.add_process_set(list(key))
     _sets_by_ranks[key] = created
@@ -241,13 +320,7 @@ def rank_to_node() -> list[Hashable]:
     if hvd.mpi_enabled():
         from mpi4py import MPI
 
-        comm = _mpi_comm if _mpi_comm is not None else MPI.COMM_WORLD
-        node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-        try:
-            node_leader = node_comm.allreduce(comm.Get_rank(), op=MPI.MIN)
-        finally:
-            node_comm.Free()
-        nodes: list[Hashable] = list(comm.allgather(node_leader))
+        nodes: list[Hashable] = _mpi_placement(_mpi_comm if _mpi_comm is not None else MPI.COMM_WORLD)
     else:
         host = os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
         nodes = list(hvd.allgather_object(host, name="hva.rank_to_node"))

@@ -21,6 +21,7 @@ __all__ = [
     "level_groups",
     "group_of",
     "hierarchy_groups",
+    "static_groups",
 ]
 
 
@@ -143,3 +144,35 @@ def hierarchy_groups(
         local_groups = level_groups(local_nodes, size)
         result.append([[members[i] for i in group] for group in local_groups])
     return result
+
+
+def static_groups(rank_to_node: Sequence[Hashable], group_sizes: Sequence[int]) -> list[list[int]]:
+    """Every group of every level, once, for registering at start-up (``hvd.init(process_sets=...)``).
+
+    The world itself is left out (Horovod's global process set is always there); a group that
+    two levels share appears once; the order (level by level, groups in node-major order) is a
+    function of the arguments only, so every rank computes the same list.
+
+    Raises:
+        ValueError: ``group_sizes`` is empty or not a sequence of integers, or a size does not
+            fit the placement (see :func:`level_groups`).
+
+    Example::
+
+        >>> static_groups(["a"] * 4, [2, 4])
+        [[0, 1], [2, 3]]
+    """
+    if isinstance(group_sizes, (str, bytes)) or not isinstance(group_sizes, Sequence):
+        raise ValueError(f"group_sizes {group_sizes!r} must be a list of positive integers")
+    if not group_sizes:
+        raise ValueError("group_sizes is empty: give the group size of every level, e.g. [2, 8]")
+    world = list(range(len(rank_to_node)))
+    seen: set[tuple[int, ...]] = set()
+    groups = []
+    for level in hierarchy_groups(world, rank_to_node, group_sizes):
+        for group in level:
+            key = tuple(group)
+            if group != world and key not in seen:
+                seen.add(key)
+                groups.append(list(group))
+    return groups

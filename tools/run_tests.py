@@ -28,6 +28,12 @@ def multiprocess_runs() -> list[tuple[str, list[str], dict[str, str]]]:
     # Horovod initialized by the user without dynamic process sets
     runs.append(("mpi np=4 static process sets", ["--mpi", "-np", "4", "-H", "localhost:4"],
                  {"HVA_TEST_INIT": "static", "HVA_TEST_FILES": "tests/multiprocess/static"}))
+    # hva.init(group_sizes=[2]): the pairs registered at start-up, no dynamic process sets
+    for controller in ("mpi", "gloo"):
+        runs.append((f"{controller} np=4 groups registered at start-up",
+                     [f"--{controller}", "-np", "4", "-H", "localhost:4"],
+                     {"HVA_TEST_INIT": "group_sizes",
+                      "HVA_TEST_FILES": "tests/multiprocess/registered_at_start"}))
     return runs
 
 
@@ -60,7 +66,8 @@ def run_multiprocess(label: str, launcher_args: list[str], extra_env: dict[str, 
     env = launch_env(**extra_env)
     env["PYTHONPATH"] = str(ROOT / "tests" / "multiprocess")
     files = extra_env.get("HVA_TEST_FILES")
-    targets = [files] if files else ["tests/multiprocess", "--ignore=tests/multiprocess/static"]
+    targets = [files] if files else ["tests/multiprocess", "--ignore=tests/multiprocess/static",
+                                     "--ignore=tests/multiprocess/registered_at_start"]
     cmd = [str(BIN / "horovodrun"), *launcher_args, str(BIN / "python"), "-m", "pytest", "-q",
            "-p", "no:cacheprovider", "--color=no", "--rootdir", str(ROOT / "tests" / "multiprocess"),
            "-o", "testpaths=", *targets]

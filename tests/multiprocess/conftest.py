@@ -12,9 +12,22 @@ import torch
 import hvd_averaging as hva
 
 
+# Set by the group_sizes run: what hva.init(group_sizes=[3]) raised before Horovod started.
+EARLY_INIT_ERROR = None
+
+
 def pytest_configure(config):
-    if os.environ.get("HVA_TEST_INIT") == "static":
+    global EARLY_INIT_ERROR
+    mode = os.environ.get("HVA_TEST_INIT")
+    if mode == "static":
         hvd.init(process_sets=[hvd.ProcessSet([0, 1])])
+    elif mode == "group_sizes":
+        try:
+            hva.init(group_sizes=[3])
+        except ValueError as error:
+            EARLY_INIT_ERROR = f"ValueError: {error}"
+        assert not hvd.is_initialized()
+        hva.init(group_sizes=[2])
     else:
         hva.init()
     torch.manual_seed(0)

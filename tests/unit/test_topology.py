@@ -3,7 +3,7 @@ import itertools
 
 import pytest
 
-from hvd_averaging.topology import group_of, hierarchy_groups, level_groups, node_major_order
+from hvd_averaging.topology import group_of, hierarchy_groups, level_groups, node_major_order, static_groups
 
 
 def contiguous(world, size):
@@ -92,3 +92,38 @@ def test_empty_placement_and_missing_rank():
         level_groups([], 1)
     with pytest.raises(ValueError, match="rank 9 is in none"):
         group_of([[0, 1]], 9)
+
+
+# --- static_groups: what hva.init(group_sizes=...) registers at start-up ---
+
+def test_static_groups_one_node_two_levels():
+    assert static_groups(["a"] * 8, [2, 4, 8]) == [[0, 1], [2, 3], [4, 5], [6, 7], [0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_static_groups_round_robin_placement_keeps_pairs_in_nodes():
+    assert static_groups(["a", "b"] * 2, [2]) == [[0, 2], [1, 3]]
+
+
+def test_static_groups_leaves_out_the_world_and_repeats():
+    assert static_groups(["a"] * 4, [4]) == []
+    assert static_groups(["a"] * 4, [2, 2, 4]) == [[0, 1], [2, 3]]
+    assert static_groups(["a", "a", "b", "b"], [2, 4]) == [[0, 1], [2, 3]]
+
+
+@pytest.mark.parametrize("group_sizes, match", [
+    ([], "group_sizes is empty"),
+    ("2", "must be a list of positive integers"),
+    (2, "must be a list of positive integers"),
+    ([0], "group size 0 must be a positive integer"),
+    ([True], "group size True must be a positive integer"),
+    ([2.0], "group size 2.0 must be a positive integer"),
+    ([3], "group size 3 does not divide the number of ranks 4"),
+])
+def test_static_groups_bad_sizes(group_sizes, match):
+    with pytest.raises(ValueError, match=match):
+        static_groups(["a"] * 4, group_sizes)
+
+
+def test_static_groups_straddling_a_node_is_refused():
+    with pytest.raises(ValueError, match="does not fit the placement"):
+        static_groups(["a", "a", "a", "b", "b", "b"], [2])
