@@ -11,6 +11,7 @@ rebuilt for 3 ranks as {2: 1, 4: 3}. At the end every rank checks, against the o
 count and that the parameters are equal after the final all-rank averaging.
 """
 import os
+import warnings
 from pathlib import Path
 
 import horovod.torch as hvd
@@ -18,10 +19,17 @@ import torch
 
 import hvd_averaging as hva
 import hvd_averaging.elastic  # noqa: F401  (registers the averager with TorchState)
+from hvd_averaging.runtime import dynamic_process_sets_enabled
 
 BATCHES, SHRINK_AT = 41, 10  # the last step (40) averages over all ranks
 
-hva.init()
+# Elastic resets drop sets registered at start-up, so group_sizes must fall back to dynamic sets.
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    hva.init(group_sizes=[2])
+assert dynamic_process_sets_enabled(), "an elastic job must run with dynamic process sets"
+assert any("elastic job's reset drops every process set" in str(w.message) for w in caught), \
+    [str(w.message) for w in caught]
 hva.set_timeout(30)
 model = torch.nn.Linear(8, 2)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
