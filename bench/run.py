@@ -4,8 +4,8 @@
 The 2- and 4-rank runs of one controller run back to back on this machine. Then, per
 controller, short 4-rank launches that time only the hierarchy levels alternate between groups
 registered dynamically (``hva.init()``) and at start-up (``hva.init(group_sizes=[2])``, no
-dynamic process sets), to compare the levels' allreduces; alternating launches keeps a slow phase of the machine from landing on one
-mode only.
+dynamic process sets), to compare the levels' allreduces; alternating launches keep a slow
+phase of the machine from landing on one mode only.
 """
 
 from __future__ import annotations

@@ -167,12 +167,7 @@ def static_groups(rank_to_node: Sequence[Hashable], group_sizes: Sequence[int]) 
     if not group_sizes:
         raise ValueError("group_sizes is empty: give the group size of every level, e.g. [2, 8]")
     world = list(range(len(rank_to_node)))
-    seen: set[tuple[int, ...]] = set()
-    groups = []
-    for level in hierarchy_groups(world, rank_to_node, group_sizes):
-        for group in level:
-            key = tuple(group)
-            if group != world and key not in seen:
-                seen.add(key)
-                groups.append(list(group))
-    return groups
+    levels = hierarchy_groups(world, rank_to_node, group_sizes)
+    # dict keys: first occurrence kept, order kept
+    unique = dict.fromkeys(tuple(group) for level in levels for group in level if group != world)
+    return [list(group) for group in unique]
