@@ -25,7 +25,7 @@ from torch.distributed.algorithms.model_averaging import utils as torch_averagin
 
 import hvd_averaging as hva
 from hvd_averaging.communication import average_tensors
-from hvd_averaging.runtime import wait_bounded
+from hvd_averaging.runtime import bounded_collective
 
 
 def resnet_like() -> list[tuple[int, ...]]:
@@ -61,6 +61,12 @@ def make_params(shapes, seed: int) -> list[torch.nn.Parameter]:
         p.grad = torch.zeros_like(p)  # averagers skip parameters without gradients
         params.append(p)
     return params
+
+
+def polled_floor(flat: torch.Tensor, tag: str) -> None:
+    """One allreduce of the flat buffer, waited for as the library waits (polled, bounded)."""
+    with bounded_collective("floor") as collective:
+        collective.wait([hvd.allreduce_async_(flat, op=hvd.Average, name=f"bench.flatp.{tag}")])
 
 
 def rss_kib(field: str) -> int:
@@ -158,8 +164,7 @@ def main() -> None:
                                                name=f"bench.grouped.{tag}"),
             "floor: one allreduce_ of a flat buffer":
                 lambda: hvd.allreduce_(flat, op=hvd.Average, name=f"bench.flat.{tag}"),
-            "floor, polled wait (as hva waits)": lambda: wait_bounded(
-                [hvd.allreduce_async_(flat, op=hvd.Average, name=f"bench.flatp.{tag}")], "floor"),
+            "floor, polled wait (as hva waits)": lambda: polled_floor(flat, tag),
             "memcpy of the flat buffer": lambda: scratch.copy_(flat),
         }
         if size > 2:

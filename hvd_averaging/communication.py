@@ -28,7 +28,7 @@ import horovod.torch as hvd
 import torch
 
 from .flat_storage import Packing, pack
-from .runtime import check_same_on_all_ranks, config_digest, members, wait_bounded
+from .runtime import bounded_collective, check_same_on_all_ranks, config_digest, members
 
 __all__ = [
     "collect_parameters",
@@ -240,14 +240,14 @@ def average_tensors(
         return
 
     traffic["global_allreduces" if len(set_ranks) == hvd.size() else "local_allreduces"] += 1
-    handles = []
-    for slab in packing.slabs:
-        traffic["bytes"] += slab.flat.numel() * slab.flat.element_size()
-        handles.append(hvd.allreduce_async_(
+    nbytes = sum(slab.flat.numel() * slab.flat.element_size() for slab in packing.slabs)
+    traffic["bytes"] += nbytes
+    with bounded_collective(what, nbytes) as collective:
+        handles = [hvd.allreduce_async_(
             slab.flat, op=hvd.Average, process_set=process_set,
             name=f"hva.{set_id}.{name}.{slab.dtype}".replace("torch.", ""),
-        ))
-    wait_bounded(handles, what)
+        ) for slab in packing.slabs]
+        collective.wait(handles)
     for slab in packing.slabs:
         slab.copy_out()
 

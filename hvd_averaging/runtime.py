@@ -6,13 +6,16 @@ must be called by every rank in the same order.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import math
 import os
 import socket
+import sys
 import time
 import warnings
-from typing import Hashable, Iterable, Optional, Sequence
+from contextlib import contextmanager
+from typing import Hashable, Iterable, Iterator, Optional, Sequence
 
 import horovod.torch as hvd
 import torch
@@ -20,6 +23,7 @@ from horovod.common.exceptions import HorovodInternalError
 from horovod.torch.mpi_ops import _basics
 
 from .topology import group_of, level_groups, static_groups
+from .watchdog import Watchdog
 
 __all__ = [
     "init",
@@ -35,7 +39,10 @@ __all__ = [
     "forget_process_sets",
     "timeout",
     "set_timeout",
-    "wait_bounded",
+    "exit_after_timeout",
+    "EXIT_CODE_AFTER_TIMEOUT",
+    "bounded_collective",
+    "CollectiveRound",
     "AveragingTimeoutError",
 ]
 
@@ -175,6 +182,12 @@ class AveragingTimeoutError(RuntimeError):
     """A collective of this library did not complete within :func:`timeout` seconds."""
 
 
+# Ends this process when a collective blocks where polling cannot reach (see .watchdog).
+_WATCHDOG = Watchdog()
+_exit_after_timeout_seconds: object = "unset"  # set_timeout(..., exit_after=...)
+_ended_by_timeout = False
+
+
 def timeout() -> float:
     """Seconds a collective of this library may wait for the other ranks: :func:`set_timeout`,
     else the environment variable ``HVA_TIMEOUT_SECONDS``, else 45.
@@ -184,67 +197,179 @@ def timeout() -> float:
     """
     if _timeout_seconds is not None:
         return _timeout_seconds
-    raw = os.environ.get("HVA_TIMEOUT_SECONDS")
+    return _seconds_from_env("HVA_TIMEOUT_SECONDS", DEFAULT_TIMEOUT_SECONDS)
+
+
+def exit_after_timeout() -> Optional[float]:
+    """Seconds a process may go on after an :class:`AveragingTimeoutError` (its ``except`` block
+    saving a checkpoint) before the watchdog ends it; None: never. Default: half the timeout,
+    so that a job whose link or node is gone is over within twice the timeout. Set by
+    :func:`set_timeout` or ``HVA_EXIT_AFTER_TIMEOUT_SECONDS`` (a number, or ``never``)."""
+    if _exit_after_timeout_seconds != "unset":
+        return _exit_after_timeout_seconds  # type: ignore[return-value]
+    raw = os.environ.get("HVA_EXIT_AFTER_TIMEOUT_SECONDS")
+    if raw is not None and raw.strip().lower() == "never":
+        return None
+    return _seconds_from_env("HVA_EXIT_AFTER_TIMEOUT_SECONDS", timeout() / 2)
+
+
+def _seconds_from_env(variable: str, default: float) -> float:
+    raw = os.environ.get(variable)
     if raw is None:
-        return DEFAULT_TIMEOUT_SECONDS
+        return default
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"HVA_TIMEOUT_SECONDS={raw!r} is not a number of seconds") from None
+        raise ValueError(f"{variable}={raw!r} is not a number of seconds") from None
     if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"HVA_TIMEOUT_SECONDS={raw!r} must be a positive number of seconds")
+        raise ValueError(f"{variable}={raw!r} must be a positive number of seconds")
     return value
 
 
-def set_timeout(seconds: Optional[float]) -> None:
+def _check_seconds(name: str, seconds) -> float:
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not (
+            seconds > 0 and math.isfinite(seconds)):
+        raise ValueError(f"{name} must be a positive number of seconds, got {seconds!r}")
+    return float(seconds)
+
+
+_KEEP = object()
+
+
+def set_timeout(seconds: Optional[float], *, exit_after: object = _KEEP) -> None:
     """Set the timeout of this library's collectives, in seconds, for this process (None: back
     to ``HVA_TIMEOUT_SECONDS`` or the default). Raise it when ranks may legitimately arrive far
-    apart (one rank writing a large checkpoint while the others reach the next averaging step).
+    apart (one rank writing a large checkpoint while the others reach the next averaging step)
+    or when the link between nodes is slow: a round must move its bytes within it.
+
+    ``exit_after``: seconds this process may go on after an :class:`AveragingTimeoutError`
+    before the watchdog ends it (None: never, for code that recovers from a stalled rank; the
+    default is half the timeout). After a timeout Horovod's background thread may be stuck
+    for good, and its shutdown at exit with it; the process then exits with code
+    :data:`EXIT_CODE_AFTER_TIMEOUT` as soon as Python finishes.
 
     Raises:
-        ValueError: ``seconds`` is not a positive finite number.
+        ValueError: ``seconds`` or ``exit_after`` is not a positive finite number.
     """
-    global _timeout_seconds
+    global _timeout_seconds, _exit_after_timeout_seconds
     if seconds is not None:
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not (
-                seconds > 0 and math.isfinite(seconds)):
-            raise ValueError(f"timeout must be a positive number of seconds, got {seconds!r}")
-        seconds = float(seconds)
+        seconds = _check_seconds("timeout", seconds)
+    if exit_after is not _KEEP and exit_after is not None:
+        exit_after = _check_seconds("exit_after", exit_after)
     _timeout_seconds = seconds
+    if exit_after is not _KEEP:
+        _exit_after_timeout_seconds = exit_after
+    elif seconds is None:
+        _exit_after_timeout_seconds = "unset"
 
 
-def wait_bounded(handles: list, what: str) -> list:
-    """``hvd.synchronize`` every handle, but give up after :func:`timeout` seconds in all.
+EXIT_CODE_AFTER_TIMEOUT = 75  # EX_TEMPFAIL: the job may succeed when restarted from a checkpoint
 
-    Horovod waits forever for a rank that stalls, and warns only after 60 s (its stall
-    shutdown is off by default and, measured here, does not act under Gloo), so this polls.
-    The pause between polls grows from 50 us to 1 ms: a round that finishes quickly is not
-    delayed, a long one costs one poll per millisecond.
 
-    Raises:
-        AveragingTimeoutError: not done in time; names ``what`` and this rank.
-        HorovodInternalError: Horovod failed or shut down (re-raised with ``what`` prepended,
-            same type, so ``hvd.elastic.run`` still resets on it).
+def _exit_now() -> None:
+    """Last atexit handler to run after a timeout: skip Horovod's and MPI's shutdown, which
+    would wait for a background thread that is stuck."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_CODE_AFTER_TIMEOUT)
+
+
+def _stuck_grace(limit: float) -> float:
+    return max(2.0, limit / 4)
+
+
+class CollectiveRound:
+    """One bounded collective: enqueue inside :func:`bounded_collective`, then :meth:`wait`."""
+
+    def __init__(self, what: str, limit: float, nbytes: int):
+        self.what = what
+        self.limit = limit
+        self.nbytes = nbytes
+        self.deadline = time.monotonic() + limit
+
+    def wait(self, handles: list) -> list:
+        """``hvd.synchronize`` every handle, but give up at the round's deadline.
+
+        Horovod waits forever for a rank that stalls, and warns only after 60 s (its stall
+        shutdown is off by default and, measured here, does not act under Gloo), so this polls.
+        The pause between polls grows from 50 us to 1 ms: a round that finishes quickly is not
+        delayed, a long one costs one poll per millisecond.
+
+        Raises:
+            AveragingTimeoutError: not done in time; names the round, this rank and what to change.
+            HorovodInternalError: Horovod failed or shut down (re-raised with the round's name
+                prepended, same type, so ``hvd.elastic.run`` still resets on it).
+        """
+        results = []
+        for handle in handles:
+            pause = 5e-5
+            while not hvd.poll(handle):
+                if time.monotonic() > self.deadline:
+                    raise AveragingTimeoutError(self._timeout_message())
+                time.sleep(pause)
+                pause = min(pause * 2, 1e-3)
+            try:
+                results.append(hvd.synchronize(handle))
+            except HorovodInternalError as error:
+                raise HorovodInternalError(f"{self.what}: {error}") from error
+        return results
+
+    def _timeout_message(self) -> str:
+        rate = ""
+        if self.nbytes:
+            # a ring allreduce moves about twice the payload through each rank's link
+            needed = 2 * self.nbytes * 8 / self.limit / 1e6
+            rate = (f" Moving its {self.nbytes / 1e6:.1f} MB within {self.limit:g} s needs a link of "
+                    f"at least ~{needed:.1f} Mbit/s between nodes; on a slower link set a timeout "
+                    "that fits it (HVA_TIMEOUT_SECONDS or hva.set_timeout()).")
+        return (f"{self.what}: not finished after {self.limit:g} s on rank {hvd.rank()}: a rank of "
+                "the set died or stalled, a node or the link between nodes is gone, or ranks run "
+                "a different sequence of averaging calls or parameter lists (set "
+                "HVA_TIMEOUT_SECONDS or hva.set_timeout() if ranks may be this far apart)." + rate)
+
+
+@contextmanager
+def bounded_collective(what: str, nbytes: int = 0) -> Iterator[CollectiveRound]:
+    """Bound one collective of this library, enqueue included.
+
+    Polling (:meth:`CollectiveRound.wait`) raises :class:`AveragingTimeoutError` after
+    :func:`timeout` seconds. Where polling cannot run (the enqueue itself blocked inside
+    Horovod), the watchdog ends this process a little later, naming ``what``. After a timeout
+    the process has :func:`exit_after_timeout` seconds left (an ``except`` block may save a
+    checkpoint), then the watchdog ends it; at a normal exit it skips Horovod's shutdown.
     """
+    global _ended_by_timeout
     limit = timeout()
-    deadline = time.monotonic() + limit
-    results = []
-    for handle in handles:
-        pause = 5e-5
-        while not hvd.poll(handle):
-            if time.monotonic() > deadline:
-                raise AveragingTimeoutError(
-                    f"{what}: not finished after {limit:g} s on rank {hvd.rank()}: a rank of the "
-                    "set died, stalled, or runs a different sequence of averaging calls or parameter lists "
-                    "(set HVA_TIMEOUT_SECONDS or hva.set_timeout() if ranks may be this far apart)"
-                )
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
-        try:
-            results.append(hvd.synchronize(handle))
-        except HorovodInternalError as error:
-            raise HorovodInternalError(f"{what}: {error}") from error
-    return results
+    stuck_after = limit + _stuck_grace(limit)
+    _WATCHDOG.arm(stuck_after, (
+        f"hvd_averaging watchdog: rank {hvd.rank()} (pid {os.getpid()}, host "
+        f"{socket.gethostname()}): {what} is still blocked inside Horovod {stuck_after:g} s after "
+        "it started, where the library's own timeout cannot act (Horovod's background thread is "
+        "stuck in a collective: a rank, a node or the link between nodes is gone, or the link is "
+        f"too slow for HVA_TIMEOUT_SECONDS={limit:g}). Ending this process so that the launcher "
+        "sees the rank end. If the link is only slow, raise HVA_TIMEOUT_SECONDS or "
+        "hva.set_timeout()."))
+    try:
+        yield CollectiveRound(what, limit, nbytes)
+    except AveragingTimeoutError:
+        grace = exit_after_timeout()
+        if grace is None:
+            _WATCHDOG.disarm()
+        else:
+            _WATCHDOG.arm(grace, (
+                f"hvd_averaging watchdog: rank {hvd.rank()} (pid {os.getpid()}, host "
+                f"{socket.gethostname()}) is still running {grace:g} s after AveragingTimeoutError "
+                f"in {what}; ending it so that the job ends (HVA_EXIT_AFTER_TIMEOUT_SECONDS or "
+                "hva.set_timeout(..., exit_after=...) gives an except block more time)."))
+            if not _ended_by_timeout:
+                _ended_by_timeout = True
+                atexit.register(_exit_now)  # registered after Horovod's: runs before it
+        raise
+    except BaseException:
+        _WATCHDOG.disarm()
+        raise
+    else:
+        _WATCHDOG.disarm()
 
 
 def _require_initialized(what: str) -> None:
@@ -355,10 +480,11 @@ def check_same_on_all_ranks(
     """
     process_set = process_set if process_set is not None else hvd.global_process_set
     digest = -1 if local_error is not None else config_digest(config)
-    handle = hvd.allgather_async(
-        torch.tensor([digest], dtype=torch.int64), name=name, process_set=process_set
-    )
-    gathered = wait_bounded([handle], f"{what} (cross-rank check)")[0].tolist()
+    with bounded_collective(f"{what} (cross-rank check)") as collective:
+        handle = hvd.allgather_async(
+            torch.tensor([digest], dtype=torch.int64), name=name, process_set=process_set
+        )
+        gathered = collective.wait([handle])[0].tolist()
     if local_error is not None:
         raise local_error
     ranks = members(process_set)

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import cluster_tests
+from rank_output import launch_env, rank_summaries, suite_passed
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -37,26 +40,23 @@ def multiprocess_runs() -> list[tuple[str, list[str], dict[str, str]]]:
     return runs
 
 
-def launch_env(**extra: str) -> dict[str, str]:
-    """This environment for a horovodrun launch: root allowed, 4 ranks may share 2 cores."""
-    env = dict(os.environ, **extra)
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
-    return env
-
-
-def launch(cmd: list[str], env: dict[str, str], timeout_s: int, kill_pattern: str):
-    """Run a launch, output merged; past ``timeout_s`` kill whatever matches ``kill_pattern``.
-    Returns (output, exit code or None when killed)."""
+def launch(cmd: list[str], env: dict[str, str], timeout_s: int):
+    """Run a launch in its own process group, output merged; past ``timeout_s`` SIGKILL that
+    group (Horovod's per-rank middlemen, in sessions of their own, stop their ranks when the
+    launcher dies). Returns (output, exit code or None when killed)."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, timeout=timeout_s,
-                              start_new_session=True)
-        return proc.stdout, proc.returncode
-    except subprocess.TimeoutExpired as exc:
-        subprocess.run(["pkill", "-9", "-f", kill_pattern], check=False)
-        output = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        output, _ = proc.communicate(timeout=timeout_s)
+        return output, proc.returncode
+    except BaseException:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        output, _ = proc.communicate()
+        if proc.returncode is not None and proc.returncode >= 0:
+            return output, proc.returncode
         return output, None
 
 
@@ -73,22 +73,18 @@ def run_multiprocess(label: str, launcher_args: list[str], extra_env: dict[str, 
            "-o", "testpaths=", *targets]
     print(f"\n=== multi-process: {label}: {' '.join(cmd[1:])}", flush=True)
     start = time.monotonic()
-    output, rc = launch(cmd, env, timeout_s, "tests/multiprocess")
+    output, rc = launch(cmd, env, timeout_s)
     elapsed = time.monotonic() - start
-    # horovodrun prefixes each rank's output with [rank] (Gloo) or [1,rank] (MPI)
-    summaries = re.findall(
-        r"\[(?:\d+,)?(\d+)\]<stdout>:((?:\d+ (?:passed|failed|errors?|skipped|warnings?),? ?)+in [\d.]+s)",
-        output)
+    summaries = rank_summaries(output)
     ranks_reported = {rank for rank, _ in summaries}
-    ok = rc == 0 and len(ranks_reported) == expected_ranks and all(
-        "failed" not in line and "error" not in line for _, line in summaries)
+    ok = suite_passed(output, rc, expected_ranks)
     if not ok:
         print(output, flush=True)  # every rank's output, prefixed by horovodrun with [rank]
         reason = (f"killed after {timeout_s} s (hung collective?)" if rc is None
                   else f"exit code {rc}, pytest summaries from ranks {sorted(ranks_reported)}")
         print(f"=== FAILED: {label}: {reason}", flush=True)
     else:
-        for rank, line in sorted(summaries, key=lambda item: int(item[0])):
+        for rank, line in summaries:
             print(f"rank {rank}: {line}", flush=True)
         print(f"=== ok: {label} ({elapsed:.0f} s)", flush=True)
     return ok
@@ -123,8 +119,7 @@ def run_rank_death(controller: str, np: int, die_at: int) -> bool:
            str(BIN / "python"), "tests/faults/rank_dies.py", "--die-at", str(die_at)]
     print(f"\n=== {label}: {' '.join(cmd[1:])}", flush=True)
     start = time.monotonic()
-    out, rc = launch(cmd, launch_env(HVA_TIMEOUT_SECONDS="20"), FAULT_BOUND_S,
-                     "tests/faults/rank_dies.py")
+    out, rc = launch(cmd, launch_env(HVA_TIMEOUT_SECONDS="20"), FAULT_BOUND_S)
     if rc is None:
         print(out, flush=True)
         print(f"=== FAILED: {label}: still running after {FAULT_BOUND_S} s (a hang)", flush=True)
@@ -155,8 +150,7 @@ def run_elastic_shrink(timeout_s: int) -> bool:
     print(f"\n=== {label}: {' '.join(cmd[1:])}", flush=True)
     start = time.monotonic()
     try:
-        out, rc = launch(cmd, launch_env(HVA_ELASTIC_HOSTS_FILE=hosts.name), timeout_s,
-                         "tests/faults/elastic_shrink.py")
+        out, rc = launch(cmd, launch_env(HVA_ELASTIC_HOSTS_FILE=hosts.name), timeout_s)
     finally:
         os.unlink(hosts.name)
     ok = rc == 0 and "elastic ok: resumed on 3 ranks" in out
@@ -169,18 +163,24 @@ def run_elastic_shrink(timeout_s: int) -> bool:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--multiprocess-only", action="store_true")
+    parser.add_argument("--cluster-only", action="store_true",
+                        help="only the multi-node launches on the emulated cluster")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per multi-process run")
     args = parser.parse_args()
-    results = {label: run_multiprocess(label, launch, env, args.timeout)
-               for label, launch, env in multiprocess_runs()}
-    for controller, np, die_at in FAULT_RUNS:
-        results[f"rank death {controller} np={np} step {die_at}"] = run_rank_death(controller, np, die_at)
-    results["elastic gloo 4 -> 3"] = run_elastic_shrink(args.timeout)
-    results["entrypoint --check"] = run_entrypoint_check(args.timeout)
+    results = {}
+    if not args.cluster_only:
+        results.update({label: run_multiprocess(label, launch, env, args.timeout)
+                        for label, launch, env in multiprocess_runs()})
+        for controller, np, die_at in FAULT_RUNS:
+            results[f"rank death {controller} np={np} step {die_at}"] = \
+                run_rank_death(controller, np, die_at)
+        results["elastic gloo 4 -> 3"] = run_elastic_shrink(args.timeout)
+        results["entrypoint --check"] = run_entrypoint_check(args.timeout)
+    results.update(cluster_tests.run_all(BIN, args.timeout))
     failed = [label for label, ok in results.items() if not ok]
     print(f"\nmulti-process runs: {len(results) - len(failed)} passed, {len(failed)} failed", flush=True)
     unit_rc = 0
-    if not args.multiprocess_only:
+    if not (args.multiprocess_only or args.cluster_only):
         unit_rc = subprocess.run([str(BIN / "python"), "-m", "pytest", "-q", "tests/unit"],
                                  cwd=ROOT).returncode
     if failed:

@@ -1,0 +1,102 @@
+"""The watchdog's own process: ends its parent when an armed deadline passes.
+
+Started by :mod:`hvd_averaging.watchdog` as
+``python -I -S watchdog_process.py PARENT_PID FD LAUNCHER_PID`` (standard library only, so it
+starts in milliseconds and imports neither torch nor Horovod), in a session of its own so that
+a launcher stopping the rank's process group does not stop it too. It reads lines from the
+pipe ``FD``:
+
+* ``arm SECONDS MESSAGE``: if no other line arrives within SECONDS, write MESSAGE to stderr
+  (the rank's own stderr, which the launcher forwards) and end the parent: SIGTERM, then
+  SIGKILL two seconds later if it is still there; then end the launcher (below);
+* ``disarm``: forget the deadline.
+
+End of file on the pipe means the parent is gone. If a deadline was armed (the parent died
+during a collective or after a timeout), the watchdog still waits for it and then ends the
+launcher; otherwise it just exits.
+
+``LAUNCHER_PID`` (0: none) is the rank's parent when that is OpenMPI's ``mpirun`` or ``orted``.
+Measured on the emulated cluster with the link between nodes cut: every rank ended, but
+``mpirun`` and the remote ``orted`` waited for each other until TCP gave up (about 15 minutes),
+holding the allocation. Ending them once the rank's time is up is what ``MPI_Abort`` would do
+if it could reach them.
+
+Being a separate process is the point: a parent blocked inside Horovod's C++ code while holding
+the GIL cannot run a Python thread, but this process still can.
+"""
+
+import os
+import select
+import signal
+import sys
+import time
+
+
+def _start_time(pid: int) -> str:
+    """Field 22 of /proc/PID/stat (start time), to tell a process from a later one with its pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
+def _end(pid: int, started: str) -> bool:
+    """SIGTERM, then SIGKILL after 2 s, unless the process is gone (or its pid reused)."""
+    for signum, pause in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 0.0)):
+        if not started or _start_time(pid) != started:
+            return False
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            return False
+        limit = time.monotonic() + pause
+        while time.monotonic() < limit and _start_time(pid) == started:
+            time.sleep(0.05)
+    return True
+
+
+def main(parent: int, fd: int, launcher: int) -> int:
+    parent_started = _start_time(parent)
+    launcher_started = _start_time(launcher) if launcher else ""
+    pending = b""
+    deadline = None
+    message = ""
+    parent_gone = False
+    while True:
+        wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if parent_gone:
+            time.sleep(wait)
+            readable = []
+        else:
+            readable = select.select([fd], [], [], wait)[0]
+        if not readable:
+            if not parent_gone:
+                sys.stderr.write(message + "\n")
+                sys.stderr.flush()
+                _end(parent, parent_started)
+            if launcher and _end(launcher, launcher_started):
+                sys.stderr.write(f"hvd_averaging watchdog: ended the launcher (pid {launcher}) "
+                                 "that was still waiting for the job's other nodes\n")
+            return 0
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            if deadline is None:
+                return 0  # a normal exit
+            parent_gone = True  # died during a collective or after a timeout: see it through
+            continue
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            words = line.decode("utf-8", "replace").split(" ", 2)
+            if words[0] == "arm" and len(words) == 3:
+                deadline = time.monotonic() + float(words[1])
+                message = words[2]
+            elif words[0] == "disarm":
+                deadline = None
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is for the parent to handle
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    sys.exit(main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])))

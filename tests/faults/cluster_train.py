@@ -1,0 +1,64 @@
+"""Training across emulated nodes, for the fault runs of tools/run_tests.py (the link between
+nodes cut, a node lost, a link too slow for the timeout):
+
+    horovodrun --gloo -np 4 -H n0:2,n1:2 python tests/faults/cluster_train.py --checkpoint-dir D
+
+Every rank prints ``cluster_train: rank R step S`` at each firing step. A user's ``except``
+block: on ``AveragingTimeoutError`` or ``HorovodInternalError`` the rank prints what it caught,
+saves a checkpoint (model, optimizer and averager state) to ``D/rank{R}.pt``, prints
+``checkpoint saved`` and re-raises, so the process ends non-zero. The runner checks the times,
+the messages and that the checkpoints load.
+"""
+import argparse
+import os
+import time
+from pathlib import Path
+
+import horovod.torch as hvd
+import torch
+from horovod.common.exceptions import HorovodInternalError
+
+import hvd_averaging as hva
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--steps", type=int, default=400)
+parser.add_argument("--period", type=int, default=2)
+parser.add_argument("--numel", type=int, default=100_000, help="parameters of the model")
+parser.add_argument("--step-seconds", type=float, default=0.05, help="stand-in for compute")
+parser.add_argument("--group-sizes", action="store_true", help="hva.init(group_sizes=[local])")
+parser.add_argument("--checkpoint-dir", required=True)
+args = parser.parse_args()
+
+if args.group_sizes:
+    hva.init(group_sizes=[int(os.environ.get("HVA_LOCAL_SIZE", "2"))])
+else:
+    hva.init()
+rank = hvd.rank()
+torch.manual_seed(rank)
+model = torch.nn.Linear(args.numel // 10, 10, bias=False)
+optimizer = hva.PostLocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                      hva.PeriodicModelAverager(period=args.period))
+print(f"cluster_train: rank {rank} of {hvd.size()} on {os.uname().nodename}, "
+      f"timeout {hva.timeout():g} s", flush=True)
+step = 0
+try:
+    for step in range(args.steps):
+        optimizer.zero_grad()
+        model(torch.randn(8, args.numel // 10)).square().mean().backward()
+        time.sleep(args.step_seconds)
+        started = time.monotonic()
+        optimizer.step()
+        if step % args.period == 0:
+            print(f"cluster_train: rank {rank} step {step} averaged in "
+                  f"{time.monotonic() - started:.2f} s", flush=True)
+except (hva.AveragingTimeoutError, HorovodInternalError) as error:
+    caught = f"cluster_train: rank {rank} caught {type(error).__name__} at step {step}: {error}"
+    print(caught, flush=True)
+    # Output from a node behind a cut link never reaches the launcher: leave it in a file too.
+    (Path(args.checkpoint_dir) / f"rank{rank}.caught").write_text(caught)
+    path = Path(args.checkpoint_dir) / f"rank{rank}.pt"
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
+               path)
+    print(f"cluster_train: rank {rank} checkpoint saved to {path}", flush=True)
+    raise
+print(f"cluster_train: rank {rank} reached the end of training", flush=True)

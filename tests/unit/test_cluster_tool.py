@@ -1,0 +1,29 @@
+"""tools/cluster.py's arguments and the names it gives (no namespaces are created here; the
+multi-node launches of tools/run_tests.py use the tool for real)."""
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+from cluster import Cluster  # noqa: E402
+
+
+@pytest.mark.parametrize("nodes", [0, -1, 1.5, True, 201])
+def test_node_count_is_validated(nodes):
+    with pytest.raises(ValueError, match="nodes must be"):
+        Cluster(nodes)
+
+
+@pytest.mark.parametrize("rate", [0, -5])
+def test_rate_is_validated(rate):
+    with pytest.raises(ValueError, match="rate_mbit must be > 0"):
+        Cluster(2, rate)
+
+
+def test_names_are_unique_short_and_hosts_arg_lists_slots():
+    a, b = Cluster(3), Cluster(3)
+    assert a.prefix != b.prefix
+    assert all(len(name) <= 15 for name in [a.bridge, *a.host_links, *a.nodes])
+    assert a.hosts_arg(2) == ",".join(f"{n}:2" for n in a.nodes)
+    assert a.hosts_arg([3, 1, 0]) == f"{a.nodes[0]}:3,{a.nodes[1]}:1"

@@ -1,0 +1,63 @@
+"""The watchdog process ends a process blocked past its deadline, and only then (real processes)."""
+import subprocess
+import sys
+import time
+
+import pytest
+
+import hvd_averaging as hva
+
+CHILD = """
+import sys, time
+from hvd_averaging.watchdog import Watchdog
+dog = Watchdog()
+dog.arm(float(sys.argv[1]), "blocked: test round at step 7")
+if sys.argv[2] == "disarm":
+    dog.disarm()
+print("armed", flush=True)
+time.sleep(float(sys.argv[3]))
+print("woke up", flush=True)
+"""
+
+
+def run_child(arm_s, action, sleep_s):
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(arm_s), action, str(sleep_s)],
+                          capture_output=True, text=True, timeout=60)
+    return proc, time.monotonic() - start
+
+
+def test_armed_deadline_ends_a_blocked_process_with_its_message():
+    proc, seconds = run_child(1.0, "keep", 30)
+    assert proc.returncode == -15, (proc.returncode, proc.stderr)
+    assert "blocked: test round at step 7" in proc.stderr
+    assert "woke up" not in proc.stdout
+    assert seconds < 15, seconds
+
+
+def test_disarmed_deadline_leaves_the_process_alone():
+    proc, _ = run_child(0.5, "disarm", 2)
+    assert proc.returncode == 0, proc.stderr
+    assert "woke up" in proc.stdout
+    assert "blocked" not in proc.stderr
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf"), "5", True])
+def test_exit_after_is_validated(bad):
+    with pytest.raises(ValueError, match="exit_after must be a positive number of seconds"):
+        hva.set_timeout(10, exit_after=bad)
+    hva.set_timeout(None)
+
+
+def test_exit_after_defaults_to_half_the_timeout_and_can_be_turned_off(monkeypatch):
+    monkeypatch.delenv("HVA_EXIT_AFTER_TIMEOUT_SECONDS", raising=False)
+    hva.set_timeout(12)
+    assert hva.runtime.exit_after_timeout() == 6
+    hva.set_timeout(12, exit_after=None)
+    assert hva.runtime.exit_after_timeout() is None
+    hva.set_timeout(None)
+    monkeypatch.setenv("HVA_EXIT_AFTER_TIMEOUT_SECONDS", "never")
+    assert hva.runtime.exit_after_timeout() is None
+    monkeypatch.setenv("HVA_EXIT_AFTER_TIMEOUT_SECONDS", "-3")
+    with pytest.raises(ValueError, match="HVA_EXIT_AFTER_TIMEOUT_SECONDS='-3' must be a positive"):
+        hva.runtime.exit_after_timeout()

@@ -1,0 +1,325 @@
+"""Multi-node launches on the emulated cluster (tools/cluster.py), run by tools/run_tests.py.
+
+Suites: every rank runs pytest over ``tests/multiprocess`` (the averager suites) or
+``tests/multinode`` (placement against host names, start-up registration, uneven nodes) on
+2 emulated nodes joined by a rate-limited link, under horovodrun (MPI and Gloo, block placement)
+and mpirun (round-robin placement, 3 + 1 ranks).
+
+Faults, each its own cluster: the link between the nodes cut mid-training (MPI with sets
+registered at start-up, MPI with dynamic sets, Gloo), a whole node lost, and a link too slow for
+the timeout (then the same with a timeout sized to the link). Each checks how long the whole
+job (launcher and every rank, on every node) took to be over, measured by the processes left
+in the nodes' namespaces, and what the user saw.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from cluster import Cluster
+from rank_output import launch_env, rank_summaries, suite_passed
+
+__all__ = ["run_all"]
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = None  # set by run_all: the environment's bin folder
+RATE_MBIT = 200
+FAULT_TIMEOUT_S = 10  # HVA_TIMEOUT_SECONDS in the fault runs: the job must be over within 2x
+
+
+def _python() -> str:
+    return str(BIN / "python")
+
+
+def _horovodrun(cluster: Cluster, controller: str, slots) -> list[str]:
+    return [str(BIN / "horovodrun"), f"--{controller}", "-np", str(_count(slots)),
+            "-H", cluster.hosts_arg(slots), "--network-interface", "eth0"]
+
+
+def _mpirun(cluster: Cluster, slots, *extra: str, env_names=()) -> list[str]:
+    names = [n for n in ("PATH", "PYTHONPATH", *env_names) if n in os.environ or n.startswith("HVA_")]
+    exports = [arg for name in names for arg in ("-x", name)]
+    return ["mpirun", *cluster.mpirun_args(), "--tag-output", "-np", str(_count(slots)),
+            "-H", cluster.hosts_arg(slots), *extra, *exports]
+
+
+def _count(slots) -> int:
+    return slots * 2 if isinstance(slots, int) else sum(slots)
+
+
+def _pytest(rootdir: str, targets: list[str]) -> list[str]:
+    return [_python(), "-m", "pytest", "-q", "-p", "no:cacheprovider", "--color=no",
+            "--rootdir", str(ROOT / rootdir), "-o", "testpaths=", *targets]
+
+
+@dataclass
+class SuiteRun:
+    label: str
+    launcher: str  # "horovodrun-mpi", "horovodrun-gloo", "mpirun-round-robin", "mpirun"
+    slots: object  # ranks per node: an int, or a list per node
+    rootdir: str
+    targets: list[str]
+    env: dict = field(default_factory=dict)
+
+
+MULTIPROCESS_TARGETS = ["tests/multiprocess", "--ignore=tests/multiprocess/static",
+                        "--ignore=tests/multiprocess/registered_at_start"]
+PLACEMENT = ["tests/multinode/test_placement.py"]
+START_UP = PLACEMENT + ["tests/multinode/test_start_up_registration.py"]
+
+SUITES = [
+    SuiteRun("averager suite, MPI, 2 nodes x 2 ranks, block", "horovodrun-mpi", 2,
+             "tests/multiprocess", MULTIPROCESS_TARGETS),
+    SuiteRun("averager suite, Gloo, 2 nodes x 2 ranks, block", "horovodrun-gloo", 2,
+             "tests/multiprocess", MULTIPROCESS_TARGETS),
+    SuiteRun("placement, MPI, block, hva.init(group_sizes=[2])", "horovodrun-mpi", 2,
+             "tests/multinode", START_UP,
+             {"HVA_TEST_INIT": "group_sizes", "HVA_TEST_GROUP_SIZE": "2",
+              "HVA_TEST_PLACEMENT": "block"}),
+    SuiteRun("placement, MPI, round-robin (mpirun --map-by node)", "mpirun-round-robin", 2,
+             "tests/multinode", PLACEMENT, {"HVA_TEST_PLACEMENT": "round-robin"}),
+    SuiteRun("placement, Gloo, block, hva.init(group_sizes=[2])", "horovodrun-gloo", 2,
+             "tests/multinode", START_UP,
+             {"HVA_TEST_INIT": "group_sizes", "HVA_TEST_GROUP_SIZE": "2",
+              "HVA_TEST_PLACEMENT": "block"}),
+    SuiteRun("uneven nodes 3 + 1, MPI", "mpirun", [3, 1], "tests/multinode",
+             ["tests/multinode/test_uneven.py"], {"HVA_TEST_INIT": "uneven"}),
+]
+
+
+def run_suite(run: SuiteRun, timeout_s: int) -> bool:
+    env = launch_env(PYTHONPATH=str(ROOT / run.rootdir), HVA_TEST_NODES="2", **run.env)
+    with Cluster(2, RATE_MBIT) as cluster:
+        if run.launcher.startswith("horovodrun"):
+            argv = _horovodrun(cluster, run.launcher.split("-")[1], run.slots)
+        else:
+            extra = ("--map-by", "node") if run.launcher == "mpirun-round-robin" else ()
+            argv = _mpirun(cluster, run.slots, *extra, env_names=list(run.env) + ["HVA_TEST_NODES"])
+        argv += _pytest(run.rootdir, run.targets)
+        print(f"\n=== multi-node: {run.label} ({RATE_MBIT} Mbit/s between nodes): "
+              f"{' '.join(argv[1:6])} ...", flush=True)
+        result = cluster.run(argv, env=env, cwd=str(ROOT), timeout_s=timeout_s)
+    ok = suite_passed(result.output, result.returncode, _count(run.slots))
+    if ok:
+        for rank, line in rank_summaries(result.output):
+            print(f"rank {rank}: {line}", flush=True)
+    else:
+        print(result.output, flush=True)
+        print("killed after its time limit (a hang)" if result.returncode is None
+              else f"exit code {result.returncode}", flush=True)
+    print(f"=== {'ok' if ok else 'FAILED'}: {run.label} ({result.seconds:.0f} s)", flush=True)
+    return ok
+
+
+# -- faults ----------------------------------------------------------------------------------
+
+@dataclass
+class FaultOutcome:
+    output: str
+    returncode: Optional[int]
+    fault_at: Optional[float]  # seconds after start
+    over_after_fault: Optional[float]  # until no process was left on any node
+    checkpoint_dir: Path
+
+
+def _run_with_fault(cluster: Cluster, argv: list[str], env: dict, trigger: str,
+                    fault: Callable[[], None], limit_s: float,
+                    checkpoint_dir: Path) -> FaultOutcome:
+    """Start ``argv`` on node 0; when a line containing ``trigger`` appears, call ``fault``; then
+    wait until no process is left on any node (or ``limit_s`` after the fault)."""
+    start = time.monotonic()
+    proc = cluster.start(argv, env=env, cwd=str(ROOT))
+    lines: list[str] = []
+    fault_at: list[float] = []
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if not fault_at and trigger in line:
+                fault()
+                fault_at.append(time.monotonic())
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    over = None
+    try:
+        while True:
+            now = time.monotonic()
+            if fault_at and not any(cluster.pids(i) for i in range(len(cluster.nodes))):
+                over = now - fault_at[0]
+                break
+            if (fault_at and now - fault_at[0] > limit_s) or now - start > limit_s + 120:
+                cluster.stop_everything()
+                break
+            time.sleep(0.2)
+    finally:
+        cluster.stop_everything()
+        proc.wait()
+        reader.join(5)
+    return FaultOutcome("".join(lines), proc.returncode,
+                        fault_at[0] - start if fault_at else None, over, checkpoint_dir)
+
+
+def _caught_by_rank(directory: Path) -> dict[int, str]:
+    return {int(p.stem[4:]): p.read_text() for p in directory.glob("rank*.caught")}
+
+
+def _checkpoints_load(directory: Path, ranks) -> list[str]:
+    problems = []
+    for rank in ranks:
+        path = directory / f"rank{rank}.pt"
+        try:
+            state = torch.load(path, weights_only=False)
+            if not {"model", "optimizer", "step"} <= set(state) or "step" not in state["optimizer"]:
+                problems.append(f"{path.name} lacks model/optimizer/step")
+        except Exception as error:  # noqa: BLE001 - reported as a failure
+            problems.append(f"{path.name}: {type(error).__name__}: {error}")
+    return problems
+
+
+def _train_argv(checkpoint_dir: Path, *extra: str) -> list[str]:
+    return [_python(), "-u", str(ROOT / "tests/faults/cluster_train.py"),
+            "--checkpoint-dir", str(checkpoint_dir), *extra]
+
+
+def _report(label: str, ok: bool, outcome: FaultOutcome, notes: list[str]) -> bool:
+    if not ok:
+        print(outcome.output, flush=True)
+    over = "never (stopped by the runner)" if outcome.over_after_fault is None \
+        else f"{outcome.over_after_fault:.1f} s"
+    print(f"    fault at {outcome.fault_at or 0:.1f} s; whole job over {over} after it; "
+          f"launcher exit code {outcome.returncode}", flush=True)
+    for note in notes:
+        print(f"    {note}", flush=True)
+    print(f"=== {'ok' if ok else 'FAILED'}: {label}", flush=True)
+    return ok
+
+
+def run_cut_link(controller: str, start_up_sets: bool) -> bool:
+    """The link to node 1 goes down at step 10 and stays down."""
+    sets = "sets registered at start-up" if start_up_sets else "dynamic process sets"
+    label = f"link between nodes cut mid-training, {controller.upper()}, {sets}"
+    print(f"\n=== fault: {label} (HVA_TIMEOUT_SECONDS={FAULT_TIMEOUT_S})", flush=True)
+    bound = 2 * FAULT_TIMEOUT_S
+    with tempfile.TemporaryDirectory() as tmp, Cluster(2, RATE_MBIT) as cluster:
+        checkpoints = Path(tmp)
+        env = launch_env(HVA_TIMEOUT_SECONDS=str(FAULT_TIMEOUT_S))
+        extra = ["--group-sizes"] if start_up_sets else []
+        if controller == "mpi":
+            argv = _mpirun(cluster, 2, env_names=["HVA_TIMEOUT_SECONDS"])
+        else:
+            argv = _horovodrun(cluster, "gloo", 2)
+        outcome = _run_with_fault(cluster, argv + _train_argv(checkpoints, *extra), env,
+                                  "rank 0 step 10 ", lambda: cluster.cut_link(1), bound + 30,
+                                  checkpoints)
+        caught = _caught_by_rank(checkpoints)
+        ended_by_watchdog = {r for r in range(4)
+                             if f"hvd_averaging watchdog: rank {r} " in outcome.output}
+        named = {r: "AveragingTimeoutError" in caught[r] or "HorovodInternalError" in caught[r]
+                 for r in caught}
+        problems = _checkpoints_load(checkpoints, caught)
+        notes = [f"ranks that raised a named error, wrote a checkpoint and exited: {sorted(caught)}",
+                 f"ranks ended by the watchdog while blocked inside Horovod: {sorted(ended_by_watchdog)}"]
+        notes += problems
+        ok = (outcome.over_after_fault is not None and outcome.over_after_fault <= bound
+              and outcome.returncode not in (0, None) and all(named.values()) and not problems
+              and "reached the end of training" not in outcome.output)
+        if start_up_sets:
+            # No dynamic-set coordination holds Horovod's table lock: every rank raises.
+            ok = ok and sorted(caught) == [0, 1, 2, 3]
+        elif controller == "gloo":
+            # Every rank's output reaches the launcher (its ssh stand-in runs on this machine).
+            ok = ok and set(caught) | ended_by_watchdog == {0, 1, 2, 3}
+        else:
+            # Node 1's output is behind the cut link, and mpirun stops node 0's other rank
+            # when the first one exits: at least one must have said what happened.
+            ok = ok and bool(set(caught) | ended_by_watchdog)
+        notes.append(f"bound: {bound} s (2x the timeout)")
+        return _report(label, ok, outcome, notes)
+
+
+def run_node_lost(controller: str) -> bool:
+    """Every process on node 1 is killed at step 10."""
+    label = f"node 1 lost mid-training (every process on it killed), {controller.upper()}"
+    print(f"\n=== fault: {label} (HVA_TIMEOUT_SECONDS={FAULT_TIMEOUT_S})", flush=True)
+    bound = 2 * FAULT_TIMEOUT_S
+    with tempfile.TemporaryDirectory() as tmp, Cluster(2, RATE_MBIT) as cluster:
+        checkpoints = Path(tmp)
+        env = launch_env(HVA_TIMEOUT_SECONDS=str(FAULT_TIMEOUT_S))
+        argv = _mpirun(cluster, 2, env_names=["HVA_TIMEOUT_SECONDS"]) if controller == "mpi" \
+            else _horovodrun(cluster, "gloo", 2)
+        outcome = _run_with_fault(cluster, argv + _train_argv(checkpoints), env,
+                                  "rank 0 step 10 ", lambda: cluster.kill_node(1), bound + 30,
+                                  checkpoints)
+    out = outcome.output
+    names_lost = [line.strip() for line in out.splitlines() if "cluster_train:" not in line
+                  and any(k in line for k in ("lost communication", "exited on signal", "Killed",
+                                              "exit with status", "noticed", "hvd_averaging watchdog", "Peer host", "unexpectedly disconnected"))]
+    ok = (outcome.over_after_fault is not None and outcome.over_after_fault <= bound
+          and outcome.returncode not in (0, None) and "reached the end of training" not in out
+          and bool(names_lost))
+    return _report(label, ok, outcome, [f"what names the loss: {' | '.join(names_lost[:3])[:400]}",
+                                        f"bound: {bound} s (2x the timeout)"])
+
+
+def run_slow_link() -> bool:
+    """10 Mbit/s between nodes; averaging 4 MB takes longer than a 2 s timeout. The error must
+    say what to change; with a timeout sized to the link the same run passes."""
+    rate, numel = 10, 1_000_000
+    ok_all = True
+    for timeout_s, expect_pass in ((2, False), (60, True)):
+        label = (f"slow link ({rate} Mbit/s), 4 MB model, HVA_TIMEOUT_SECONDS={timeout_s}: "
+                 + ("passes" if expect_pass else "fails, saying what to change"))
+        print(f"\n=== fault: {label}", flush=True)
+        with tempfile.TemporaryDirectory() as tmp, Cluster(2, rate) as cluster:
+            env = launch_env(HVA_TIMEOUT_SECONDS=str(timeout_s))
+            argv = _horovodrun(cluster, "mpi", 2) + _train_argv(
+                Path(tmp), "--steps", "3", "--numel", str(numel), "--step-seconds", "0")
+            result = cluster.run(argv, env=env, cwd=str(ROOT), timeout_s=4 * timeout_s + 120)
+        out = result.output
+        if expect_pass:
+            ok = result.returncode == 0 and out.count("reached the end of training") == 4
+            times = [line.split("averaged in ")[1].split()[0] for line in out.splitlines()
+                     if "rank 0 step 0 averaged in" in line]
+            note = f"first averaging on rank 0 took {times[0] if times else '?'} s"
+        else:
+            advice = "on a slower link set a timeout that fits it (HVA_TIMEOUT_SECONDS or hva.set_timeout())"
+            ok = (result.returncode not in (0, None) and "AveragingTimeoutError" in out
+                  and advice in out and "needs a link of at least" in out)
+            said = [line for line in out.splitlines() if "needs a link of at least" in line]
+            note = "the error says: ..." + (said[0][said[0].index("Moving its"):][:230]
+                                            if said else "(nothing)")
+        if not ok:
+            print(out, flush=True)
+        print(f"    exit code {result.returncode} after {result.seconds:.1f} s; {note}", flush=True)
+        print(f"=== {'ok' if ok else 'FAILED'}: {label}", flush=True)
+        ok_all = ok_all and ok
+    return ok_all
+
+
+def run_all(bin_dir: Path, timeout_s: int) -> dict[str, bool]:
+    """Every multi-node launch; a machine that cannot emulate nodes fails them with its reason."""
+    global BIN
+    BIN = bin_dir
+    from cluster import ClusterUnavailable, check_privileges
+    try:
+        check_privileges()
+    except ClusterUnavailable as error:
+        print(f"\n=== multi-node: cannot run here: {error}", flush=True)
+        return {"multi-node (emulated cluster)": False}
+    results = {run.label: run_suite(run, timeout_s) for run in SUITES}
+    results["cut link, MPI, start-up sets"] = run_cut_link("mpi", start_up_sets=True)
+    results["cut link, MPI, dynamic sets"] = run_cut_link("mpi", start_up_sets=False)
+    results["cut link, Gloo"] = run_cut_link("gloo", start_up_sets=False)
+    results["node lost, MPI"] = run_node_lost("mpi")
+    results["node lost, Gloo"] = run_node_lost("gloo")
+    results["slow link"] = run_slow_link()
+    return results

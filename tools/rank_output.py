@@ -1,0 +1,33 @@
+"""Reading a multi-rank launch: the environment it needs and each rank's pytest verdict."""
+
+from __future__ import annotations
+
+import os
+import re
+
+__all__ = ["launch_env", "rank_summaries", "suite_passed"]
+
+# horovodrun and mpirun --tag-output prefix each rank's lines with [rank] (Gloo) or [1,rank] (MPI)
+_SUMMARY = re.compile(
+    r"\[(?:\d+,)?(\d+)\]<stdout>:((?:\d+ (?:passed|failed|errors?|skipped|warnings?),? ?)+in [\d.]+s)")
+
+
+def launch_env(**extra: str) -> dict[str, str]:
+    """This environment for a launch: root allowed, more ranks than cores allowed."""
+    env = dict(os.environ, **extra)
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
+    return env
+
+
+def rank_summaries(output: str) -> list[tuple[int, str]]:
+    """(rank, pytest summary line) for every rank that printed one, by rank."""
+    return sorted(((int(rank), line) for rank, line in _SUMMARY.findall(output)))
+
+
+def suite_passed(output: str, returncode, expected_ranks: int) -> bool:
+    """Every rank printed a pytest summary without failures or errors, and the launch exited 0."""
+    summaries = rank_summaries(output)
+    return (returncode == 0 and {r for r, _ in summaries} == set(range(expected_ranks))
+            and all("failed" not in line and "error" not in line for _, line in summaries))
