@@ -15,8 +15,8 @@ import horovod.torch as hvd
 
 from .communication import (TensorsLike, average_tensors, collect_parameters, floating_buffers,
                             forget_layout_agreements)
-from .runtime import (check_same_on_all_ranks, forget_process_sets, members, rank_to_node,
-                      register_groups, registered_process_sets)
+from .runtime import (check_same_on_all_ranks, elastic_job, forget_process_sets, members,
+                      rank_to_node, register_groups, registered_process_sets)
 from .schedule import (
     check_period,
     check_warmup_steps,
@@ -60,6 +60,44 @@ class ModelAverager(ABC):
                 "hva.process_set(ranks) or pass it to hvd.init(process_sets=[...])"
             )
         self.step = 0
+        # The world the sets were made for; None until the first firing step of an elastic job,
+        # where construction must not be collective (see _agree_and_register).
+        self._world: Optional[int] = None
+
+    def _agree_and_register(self, local_error: Optional[BaseException] = None) -> None:
+        """Check the configuration across ranks and register this averager's process sets
+        (collective). In an elastic job (``HOROVOD_ELASTIC=1``) this waits for the first firing
+        step: a worker that joins constructs its averager while the others are inside
+        ``hvd.elastic.run``, so a collective here would hang; every rank reaches a firing step
+        with the same step (it is synchronized state), so doing it there is safe."""
+        if elastic_job():
+            if local_error is not None:
+                raise local_error
+            return
+        self._agree(local_error)
+        self._register_sets()
+        self._world = hvd.size()
+
+    def _agree(self, local_error: Optional[BaseException] = None) -> None:
+        check_same_on_all_ranks(f"{type(self).__name__} arguments", self._config(),
+                                local_error=local_error, name=f"hva.agree.{type(self).__name__}")
+
+    def _register_sets(self) -> None:
+        """Register the process sets beyond ``process_set`` (collective); none here."""
+
+    def _follow_world(self) -> None:
+        """At a firing step: if Horovod was (re)initialized since the sets were made (an elastic
+        reset drops every process set, horovod#4021) or they were never made (elastic start),
+        agree and re-create them for the world as it is now. Collective, same on every rank."""
+        if self._world == hvd.size() and not self._sets_dropped():
+            return
+        if self._world is not None:
+            forget_process_sets()
+            forget_layout_agreements()
+            self._rebuild_for_world()
+        self._agree()
+        self._register_sets()
+        self._world = hvd.size()
 
     @abstractmethod
     def average_parameters(self, params: TensorsLike, *, buffers=None) -> None:
@@ -77,9 +115,11 @@ class ModelAverager(ABC):
     def _sets_dropped(self) -> bool:
         """True when Horovod no longer holds this averager's process sets as they were (an
         elastic reset shut Horovod down and initialized it again, horovod#4021)."""
+        own = [s for s in self._process_sets() if s is not hvd.global_process_set]
+        if not own:
+            return False
         registered = registered_process_sets()
-        return any(registered.get(s.process_set_id) != members(s) for s in self._process_sets()
-                   if s is not hvd.global_process_set)
+        return any(registered.get(s.process_set_id) != members(s) for s in own)
 
     def _process_sets(self) -> list:
         return [self.process_set]
@@ -119,8 +159,8 @@ class ModelAverager(ABC):
         self.step = step
 
     def _rebuild_for_world(self) -> None:
-        """Re-create this averager's process sets after Horovod was re-initialized with another
-        world (an elastic reset drops every process set, horovod#4021). Collective.
+        """Fit this averager's levels to the world after Horovod was re-initialized (an elastic
+        reset). Local; :meth:`_follow_world` registers the sets afterwards.
 
         Raises:
             RuntimeError: the averager runs over a subset of ranks, which has no counterpart in
@@ -174,8 +214,7 @@ class PeriodicModelAverager(ModelAverager):
             error = e
         self.period = period
         self.warmup_steps = warmup_steps
-        check_same_on_all_ranks("PeriodicModelAverager arguments", self._config(),
-                                local_error=error, name="hva.agree.periodic")
+        self._agree_and_register(error)
 
     def _config(self) -> dict[str, Any]:
         return {"period": self.period, "warmup_steps": self.warmup_steps, **super()._config()}
@@ -190,6 +229,7 @@ class PeriodicModelAverager(ModelAverager):
                 running statistics) are averaged at the same moments, in the same collective.
         """
         if periodic_fires(self.step, self.period, self.warmup_steps):
+            self._follow_world()
             self._average(params, buffers, self.process_set)
         self.step += 1
 
@@ -246,19 +286,18 @@ class HierarchicalModelAverager(ModelAverager):
         self.warmup_steps = warmup_steps
         self.period_group_size_dict = hierarchy
         self._periods = list(hierarchy)
-        check_same_on_all_ranks("HierarchicalModelAverager arguments", self._config(),
-                                local_error=error, name="hva.agree.hierarchical")
-        self._register_levels()
+        self.period_process_set_dict: dict[int, hvd.ProcessSet] = {}
+        self._agree_and_register(error)
 
     def _process_sets(self) -> list:
         return [self.process_set, *self.period_process_set_dict.values()]
 
-    def _register_levels(self) -> None:
-        self._world = hvd.size()
+    def _register_sets(self) -> None:
+        """Register every group of every level (collective) and keep this rank's."""
         set_ranks = members(self.process_set)
         hierarchy = self.period_group_size_dict
         levels = hierarchy_groups(set_ranks, rank_to_node(), list(hierarchy.values()))
-        self.period_process_set_dict: dict[int, hvd.ProcessSet] = {}
+        self.period_process_set_dict = {}
         for period, groups in zip(hierarchy, levels):
             mine = register_groups(self.process_set, groups)
             if mine is not None:
@@ -266,7 +305,7 @@ class HierarchicalModelAverager(ModelAverager):
 
     def _rebuild_for_world(self) -> None:
         """After an elastic reset: the largest level becomes the new world, the smaller levels
-        keep their sizes, and every group is registered again. Collective.
+        keep their sizes (their groups are registered again by :meth:`_follow_world`).
 
         Raises:
             ValueError: the smaller levels do not fit the new world size (on every rank).
@@ -283,7 +322,6 @@ class HierarchicalModelAverager(ModelAverager):
                 f"{self.period_group_size_dict} does not fit it ({error}); choose group sizes "
                 "that divide every world size the job may shrink or grow to") from None
         self.period_group_size_dict = hierarchy
-        self._register_levels()
 
     def _config(self) -> dict[str, Any]:
         return {"period_group_size_dict": self.period_group_size_dict,
@@ -299,12 +337,8 @@ class HierarchicalModelAverager(ModelAverager):
                 the same moments, in the same collective.
         """
         period = hierarchical_period(self.step, self._periods, self.warmup_steps)
-        if period is not None and (hvd.size() != self._world or self._sets_dropped()):
-            # Every rank reaches this firing step with the same step, so rebuilding here (a
-            # collective) is safe without a reset callback.
-            forget_process_sets()
-            forget_layout_agreements()
-            self._rebuild_for_world()
+        if period is not None:
+            self._follow_world()
         if period is not None and period in self.period_process_set_dict:
             self._average(params, buffers, self.period_process_set_dict[period])
         self.step += 1

@@ -27,6 +27,7 @@ from .watchdog import Watchdog
 
 __all__ = [
     "init",
+    "elastic_job",
     "process_set",
     "dynamic_process_sets_enabled",
     "registered_process_sets",
@@ -116,6 +117,11 @@ def init(comm=None, *, group_sizes: Optional[Sequence[int]] = None) -> None:
         _rank_to_node_cache = (len(placement), list(placement))
 
 
+def elastic_job() -> bool:
+    """True inside ``horovodrun`` elastic jobs (Horovod sets ``HOROVOD_ELASTIC=1``)."""
+    return os.environ.get("HOROVOD_ELASTIC", "") == "1"
+
+
 def _world_size_before_start(comm) -> int:
     if _gloo_controller():
         return int(os.environ.get("HOROVOD_SIZE", "1"))
@@ -133,7 +139,7 @@ def _gloo_controller() -> bool:
 def _placement_before_start(comm) -> tuple[Optional[list[Hashable]], str]:
     """Node of every rank, known before Horovod starts, or (None, why not). The decision is the
     same on every rank: it depends only on what the launcher gave every rank alike."""
-    if os.environ.get("HOROVOD_ELASTIC", "") == "1":
+    if elastic_job():
         return None, "an elastic job's reset drops every process set registered at start-up"
     if _gloo_controller():
         size = int(os.environ.get("HOROVOD_SIZE", "1"))

@@ -190,6 +190,14 @@ def _train_argv(checkpoint_dir: Path, *extra: str) -> list[str]:
             "--checkpoint-dir", str(checkpoint_dir), *extra]
 
 
+def _fault_launch(cluster: Cluster, controller: str, checkpoints: Path, *extra: str):
+    """argv and environment of cluster_train.py on 2 nodes x 2 ranks with the fault timeout."""
+    env = launch_env(HVA_TIMEOUT_SECONDS=str(FAULT_TIMEOUT_S))
+    argv = _mpirun(cluster, 2, env_names=["HVA_TIMEOUT_SECONDS"]) if controller == "mpi" \
+        else _horovodrun(cluster, "gloo", 2)
+    return argv + _train_argv(checkpoints, *extra), env
+
+
 def _report(label: str, ok: bool, outcome: FaultOutcome, notes: list[str]) -> bool:
     if not ok:
         print(outcome.output, flush=True)
@@ -211,13 +219,9 @@ def run_cut_link(controller: str, start_up_sets: bool) -> bool:
     bound = 2 * FAULT_TIMEOUT_S
     with tempfile.TemporaryDirectory() as tmp, Cluster(2, RATE_MBIT) as cluster:
         checkpoints = Path(tmp)
-        env = launch_env(HVA_TIMEOUT_SECONDS=str(FAULT_TIMEOUT_S))
-        extra = ["--group-sizes"] if start_up_sets else []
-        if controller == "mpi":
-            argv = _mpirun(cluster, 2, env_names=["HVA_TIMEOUT_SECONDS"])
-        else:
-            argv = _horovodrun(cluster, "gloo", 2)
-        outcome = _run_with_fault(cluster, argv + _train_argv(checkpoints, *extra), env,
+        argv, env = _fault_launch(cluster, controller, checkpoints,
+                                  *(["--group-sizes"] if start_up_sets else []))
+        outcome = _run_with_fault(cluster, argv, env,
                                   "rank 0 step 10 ", lambda: cluster.cut_link(1), bound + 30,
                                   checkpoints)
         caught = _caught_by_rank(checkpoints)
@@ -253,10 +257,8 @@ def run_node_lost(controller: str) -> bool:
     bound = 2 * FAULT_TIMEOUT_S
     with tempfile.TemporaryDirectory() as tmp, Cluster(2, RATE_MBIT) as cluster:
         checkpoints = Path(tmp)
-        env = launch_env(HVA_TIMEOUT_SECONDS=str(FAULT_TIMEOUT_S))
-        argv = _mpirun(cluster, 2, env_names=["HVA_TIMEOUT_SECONDS"]) if controller == "mpi" \
-            else _horovodrun(cluster, "gloo", 2)
-        outcome = _run_with_fault(cluster, argv + _train_argv(checkpoints), env,
+        argv, env = _fault_launch(cluster, controller, checkpoints)
+        outcome = _run_with_fault(cluster, argv, env,
                                   "rank 0 step 10 ", lambda: cluster.kill_node(1), bound + 30,
                                   checkpoints)
     out = outcome.output
@@ -305,6 +307,27 @@ def run_slow_link() -> bool:
     return ok_all
 
 
+def run_elastic_nodes(timeout_s: int) -> bool:
+    """Gloo elastic on 3 nodes: node 1 leaves at batch 10, node 2 joins at batch 30."""
+    label = "elastic Gloo across nodes: a node leaves (4 -> 2 ranks), a node joins (2 -> 4)"
+    print(f"\n=== {label}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp, Cluster(3, RATE_MBIT) as cluster:
+        hosts = Path(tmp) / "hosts"
+        hosts.write_text(f"{cluster.nodes[0]}:2\n{cluster.nodes[1]}:2\n")
+        env = launch_env(HVA_ELASTIC_HOSTS_FILE=str(hosts), HVA_ELASTIC_NODES=",".join(cluster.nodes))
+        argv = [str(BIN / "horovodrun"), "--gloo", "-np", "4", "--min-np", "2", "--max-np", "4",
+                "--network-interface", "eth0", "--host-discovery-script",
+                str(ROOT / "tests/faults/discover_hosts.sh"), _python(), "-u",
+                str(ROOT / "tests/faults/elastic_nodes.py")]
+        result = cluster.run(argv, env=env, cwd=str(ROOT), timeout_s=timeout_s)
+    ok = result.returncode == 0 and "elastic nodes ok" in result.output
+    lines = [line for line in result.output.splitlines() if "elastic nodes ok" in line
+             or ": size " in line]
+    print(result.output if not ok else "\n".join(lines), flush=True)
+    print(f"=== {'ok' if ok else 'FAILED'}: {label} ({result.seconds:.0f} s)", flush=True)
+    return ok
+
+
 def run_all(bin_dir: Path, timeout_s: int) -> dict[str, bool]:
     """Every multi-node launch; a machine that cannot emulate nodes fails them with its reason."""
     global BIN
@@ -322,4 +345,5 @@ def run_all(bin_dir: Path, timeout_s: int) -> dict[str, bool]:
     results["node lost, MPI"] = run_node_lost("mpi")
     results["node lost, Gloo"] = run_node_lost("gloo")
     results["slow link"] = run_slow_link()
+    results["elastic across nodes"] = run_elastic_nodes(timeout_s)
     return results
