@@ -10,9 +10,30 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export OMPI_MCA_rmaps_base_oversubscribe := 1
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: install test test-unit test-multiprocess demo bench docker clean
+# WHEELHOUSE=DIR: install offline from a folder of wheels (make wheelhouse), as the image does.
+WHEELHOUSE ?=
+ifneq ($(strip $(WHEELHOUSE)),)
+export PIP_NO_INDEX := 1
+export PIP_FIND_LINKS := $(abspath $(WHEELHOUSE))
+export HVD_CACHE := $(abspath $(WHEELHOUSE))/hvd-cache
+MPI4PY_SOURCE :=
+else
+MPI4PY_SOURCE := --no-binary mpi4py
+endif
+WHEELHOUSE_OUT := docker/wheelhouse
+
+.PHONY: install system-packages test test-unit test-multiprocess test-cluster demo bench docker wheelhouse clean
 
 install: $(VENV)/.installed
+
+# What the test suite needs beyond make install: iproute2 and util-linux for the emulated
+# cluster, podman, runc and debootstrap for building the image where no Docker daemon runs.
+system-packages:
+	@missing=""; for tool in ip:iproute2 tc:iproute2 unshare:util-linux podman:podman runc:runc debootstrap:debootstrap; do \
+	  command -v $${tool%%:*} >/dev/null || missing="$$missing $${tool##*:}"; done; \
+	if [ -n "$$missing" ]; then echo "installing from Debian packages:$$missing"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; fi
 
 $(VENV)/.installed: setup.cfg pyproject.toml tools/build_horovod.sh Makefile
 	@command -v mpirun >/dev/null || { \
@@ -22,14 +43,17 @@ $(VENV)/.installed: setup.cfg pyproject.toml tools/build_horovod.sh Makefile
 	@[ -x $(PY) ] || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)" numpy "cmake>=3.18,<4" packaging wheel "setuptools<81" pytest
-	$(PY) -m pip install -q --no-binary mpi4py mpi4py
+	$(PY) -m pip install -q $(MPI4PY_SOURCE) mpi4py
 	PYTHON=$(PY) bash tools/build_horovod.sh
 	$(PY) -m pip install -q -e ".[test,examples]"
 	$(VENV)/bin/horovodrun --check-build
 	touch $@
 
-test: install
+test: install system-packages
 	$(PY) tools/run_tests.py
+
+test-cluster: install system-packages
+	$(PY) tools/run_tests.py --cluster-only
 
 test-unit: install
 	$(PY) -m pytest -q tests/unit
@@ -43,10 +67,19 @@ demo: install
 bench: install
 	$(PY) bench/run.py --out results/bench
 
-docker:
-	@if docker info >/dev/null 2>&1; then \
-	  docker build -f docker/Dockerfile -t hvd_averaging:cpu . ; \
-	else echo "make docker: no Docker engine reachable here (docker info failed); nothing was built"; exit 1; fi
+# Builds the CPU image with docker or podman (offline, from the wheelhouse), runs --check and the
+# demo's fast mode inside it; OCI=path.tar also writes an OCI archive (for Apptainer).
+docker: install system-packages
+	$(PY) tools/docker_image.py $(if $(OCI),--oci $(OCI))
+
+# Every wheel the image installs, built or fetched here (Horovod's from tools/build_horovod.sh's cache).
+wheelhouse: install
+	rm -rf $(WHEELHOUSE_OUT) && mkdir -p $(WHEELHOUSE_OUT)/hvd-cache
+	$(PY) -m pip wheel -q -w $(WHEELHOUSE_OUT) "$(TORCH_SPEC)" numpy "cmake>=3.18,<4" packaging wheel \
+	  "setuptools<81" "setuptools>=61" pytest cloudpickle psutil pyyaml ".[test,examples]"
+	$(PY) -m pip wheel -q --no-binary mpi4py -w $(WHEELHOUSE_OUT) mpi4py
+	rm -f $(WHEELHOUSE_OUT)/hvd_averaging-*.whl
+	cp -r "$${HVD_CACHE:-$${XDG_CACHE_HOME:-$$HOME/.cache}/hvd_averaging}/wheels" $(WHEELHOUSE_OUT)/hvd-cache/
 
 clean:
-	rm -rf $(VENV) build *.egg-info results .pytest_cache
+	rm -rf $(VENV) build *.egg-info results .pytest_cache $(WHEELHOUSE_OUT)

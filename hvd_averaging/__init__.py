@@ -3,13 +3,14 @@
 Layers, each importing only the ones before it:
 ``topology`` (who averages with whom) -> ``runtime`` (Horovod start-up, process sets, placement,
 bounded waits) -> ``flat_storage`` (where averaged tensors live) -> ``communication`` (how
-tensors travel) -> ``averagers`` (when) -> ``optim`` (training
-integration) -> ``examples``.
+tensors travel) -> ``averagers`` (when) -> ``optim`` and ``outer`` (training
+integration: post-local SGD, DiLoCo) -> ``examples``.
 """
 
 from .averagers import HierarchicalModelAverager, ModelAverager, PeriodicModelAverager
 from .communication import NonFiniteError, average_parameters
 from .optim import PostLocalSGD, PostLocalSGDOptimizer
+from .outer import DiLoCo, default_outer_optimizer, slowmo_outer_optimizer
 from .runtime import AveragingTimeoutError, init, local_process_set, process_set, set_timeout, timeout
 
 __all__ = [
@@ -21,6 +22,9 @@ __all__ = [
     "HierarchicalModelAverager",
     "PostLocalSGDOptimizer",
     "PostLocalSGD",
+    "DiLoCo",
+    "default_outer_optimizer",
+    "slowmo_outer_optimizer",
     "local_process_set",
     "timeout",
     "set_timeout",

@@ -56,7 +56,8 @@ class Watchdog:
             self._process = subprocess.Popen(
                 [sys.executable, "-I", "-S", str(_PROCESS_SCRIPT), str(os.getpid()), str(read_end),
                  str(_openmpi_launcher_pid())],
-                pass_fds=(read_end,), stdin=subprocess.DEVNULL, close_fds=True,
+                pass_fds=(read_end,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                close_fds=True,
                 start_new_session=True)
         except OSError:
             os.close(write_end)

@@ -12,8 +12,9 @@ pipe ``FD``:
 * ``disarm``: forget the deadline.
 
 End of file on the pipe means the parent is gone. If a deadline was armed (the parent died
-during a collective or after a timeout), the watchdog still waits for it and then ends the
-launcher; otherwise it just exits.
+during a collective or after a timeout), the watchdog lets go of the rank's stderr (a launcher
+forwarding it waits for end of file), waits for the deadline and then ends the launcher;
+otherwise it just exits. Its stdout is /dev/null from the start.
 
 ``LAUNCHER_PID`` (0: none) is the rank's parent when that is OpenMPI's ``mpirun`` or ``orted``.
 Measured on the emulated cluster with the link between nodes cut: every rank ended, but
@@ -75,7 +76,7 @@ def main(parent: int, fd: int, launcher: int) -> int:
                 sys.stderr.write(message + "\n")
                 sys.stderr.flush()
                 _end(parent, parent_started)
-            if launcher and _end(launcher, launcher_started):
+            if launcher and _end(launcher, launcher_started) and not parent_gone:
                 sys.stderr.write(f"hvd_averaging watchdog: ended the launcher (pid {launcher}) "
                                  "that was still waiting for the job's other nodes\n")
             return 0
@@ -83,7 +84,10 @@ def main(parent: int, fd: int, launcher: int) -> int:
         if not chunk:
             if deadline is None:
                 return 0  # a normal exit
-            parent_gone = True  # died during a collective or after a timeout: see it through
+            # Died during a collective or after a timeout: see it through, but let go of the
+            # rank's stderr first, or a launcher reading it until EOF would wait for us.
+            parent_gone = True
+            os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
             continue
         pending += chunk
         *lines, pending = pending.split(b"\n")

@@ -264,7 +264,8 @@ def run_node_lost(controller: str) -> bool:
     out = outcome.output
     names_lost = [line.strip() for line in out.splitlines() if "cluster_train:" not in line
                   and any(k in line for k in ("lost communication", "exited on signal", "Killed",
-                                              "exit with status", "noticed", "hvd_averaging watchdog", "Peer host", "unexpectedly disconnected"))]
+                                              "exit with status", "noticed", "hvd_averaging watchdog", "Peer host", "unexpectedly disconnected",
+                                              "unable to reliably start one or more daemons"))]
     ok = (outcome.over_after_fault is not None and outcome.over_after_fault <= bound
           and outcome.returncode not in (0, None) and "reached the end of training" not in out
           and bool(names_lost))

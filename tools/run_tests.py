@@ -160,11 +160,34 @@ def run_elastic_shrink(timeout_s: int) -> bool:
     return ok
 
 
+def run_docker_image(timeout_s: int) -> bool:
+    """tools/docker_image.py: the CPU image built (podman or docker, offline from the
+    wheelhouse; the layer cache makes it quick after the first time), then --check and the
+    demo's fast mode inside a container."""
+    label = "docker image: build, --check and demo --fast inside a container"
+    print(f"\n=== {label}", flush=True)
+    start = time.monotonic()
+    try:
+        proc = subprocess.run([str(BIN / "python"), "tools/docker_image.py"], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=timeout_s, start_new_session=True)
+        output, ok = proc.stdout, proc.returncode == 0
+    except subprocess.TimeoutExpired as exc:
+        output, ok = str(exc.stdout or ""), False
+    if ok:
+        output = "\n".join(line for line in output.splitlines()
+                           if line.startswith(("=== ", "docker image timings", "| ")))
+    print(output[-20000:], flush=True)
+    print(f"=== {'ok' if ok else 'FAILED'}: {label} ({time.monotonic() - start:.0f} s)", flush=True)
+    return ok
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--multiprocess-only", action="store_true")
     parser.add_argument("--cluster-only", action="store_true",
                         help="only the multi-node launches on the emulated cluster")
+    parser.add_argument("--no-docker", action="store_true", help="skip building the image")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per multi-process run")
     args = parser.parse_args()
     results = {}
@@ -177,6 +200,8 @@ def main() -> int:
         results["elastic gloo 4 -> 3"] = run_elastic_shrink(args.timeout)
         results["entrypoint --check"] = run_entrypoint_check(args.timeout)
     results.update(cluster_tests.run_all(BIN, args.timeout))
+    if not (args.cluster_only or args.no_docker):
+        results["docker image"] = run_docker_image(1800)
     failed = [label for label, ok in results.items() if not ok]
     print(f"\nmulti-process runs: {len(results) - len(failed)} passed, {len(failed)} failed", flush=True)
     unit_rc = 0

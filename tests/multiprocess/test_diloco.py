@@ -1,0 +1,142 @@
+"""DiLoCo / SlowMo outer steps on real ranks, against a reference computed by hand that
+simulates every rank (each rank's gradient depends on its rank and step, so every comparison
+checks values that came from the other ranks)."""
+import horovod.torch as hvd
+import pytest
+import torch
+
+import hvd_averaging as hva
+from helpers import expect_error_on_every_rank
+
+LR = 0.1
+SHAPE = (5,)
+
+
+def target(rank, step):
+    """The point rank ``rank`` pulls towards at ``step`` (its local gradient is p - target)."""
+    return torch.randn(SHAPE, generator=torch.Generator().manual_seed(1000 * rank + step))
+
+
+def make(world, averager_factory, outer=None, **kwargs):
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(SHAPE))
+    inner = torch.optim.SGD([param], lr=LR)
+    opt = hva.DiLoCo(inner, averager_factory(), outer_optimizer=outer, **kwargs)
+    return param, opt
+
+
+def train_step(param, opt, rank, step):
+    opt.zero_grad()
+    param.grad = param.detach() - target(rank, step)
+    opt.step()
+
+
+def reference(world, steps, top_fires, level_fires=lambda s: False, group_of=None,
+              outer_lr=0.7, momentum=0.9, nesterov=True):
+    """Every rank's parameters after every step, by hand: inner SGD, plain group averages at
+    the lower level, the outer SGD (Nesterov) step at the top level."""
+    torch.manual_seed(0)
+    start = torch.randn(SHAPE).double()
+    local = [start.clone() for _ in range(world)]
+    global_copy, buf = start.clone(), None
+    history = []
+    for s in range(steps):
+        local = [w - LR * (w - target(r, s).double()) for r, w in enumerate(local)]
+        if top_fires(s):
+            average = sum(local) / world
+            pseudo = global_copy - average
+            buf = pseudo.clone() if buf is None else momentum * buf + pseudo
+            update = pseudo + momentum * buf if nesterov else (buf if momentum else pseudo)
+            global_copy = global_copy - outer_lr * update
+            local = [global_copy.clone() for _ in range(world)]
+        elif level_fires(s):
+            local = [sum(local[q] for q in group_of(r)) / len(group_of(r)) for r in range(world)]
+        history.append([w.clone() for w in local])
+    return history
+
+
+def check_against(history, param, opt, world, rank, steps):
+    for s in range(steps):
+        train_step(param, opt, rank, s)
+        expected = history[s][rank].float()
+        torch.testing.assert_close(param.detach(), expected, rtol=0, atol=1e-6)
+        everyone = hvd.allgather(param.detach().reshape(1, -1), name=f"test.diloco.{s}")
+        for r in range(world):
+            torch.testing.assert_close(everyone[r], history[s][r].float(), rtol=0, atol=1e-6)
+
+
+def test_diloco_periodic_matches_reference(world, rank):
+    param, opt = make(world, lambda: hva.PeriodicModelAverager(period=3))
+    history = reference(world, 13, top_fires=lambda s: s % 3 == 0)
+    check_against(history, param, opt, world, rank, 13)
+
+
+def test_slowmo_settings_match_reference(world, rank):
+    param, opt = make(world, lambda: hva.PeriodicModelAverager(period=4, warmup_steps=2),
+                      outer=hva.slowmo_outer_optimizer)
+    history = reference(world, 15, top_fires=lambda s: s >= 2 and (s - 2) % 4 == 0,
+                        outer_lr=1.0, momentum=0.5, nesterov=False)
+    check_against(history, param, opt, world, rank, 15)
+
+
+def test_hierarchical_diloco_matches_reference(world, rank):
+    pair = min(2, world)
+    param, opt = make(world, lambda: hva.HierarchicalModelAverager({2: pair, 4: world}))
+    history = reference(world, 14, top_fires=lambda s: s % 4 == 0,
+                        level_fires=lambda s: s % 2 == 0,
+                        group_of=lambda r: list(range(r // pair * pair, r // pair * pair + pair)))
+    check_against(history, param, opt, world, rank, 14)
+
+
+def test_outer_sgd_lr_one_is_plain_periodic_averaging(world, rank):
+    param, opt = make(world, lambda: hva.PeriodicModelAverager(period=3),
+                      outer=lambda p: torch.optim.SGD(p, lr=1.0))
+    plain = torch.nn.Parameter(param.detach().clone())
+    plain_opt = hva.PostLocalSGDOptimizer(torch.optim.SGD([plain], lr=LR),
+                                          hva.PeriodicModelAverager(period=3))
+    for s in range(10):
+        train_step(param, opt, rank, s)
+        train_step(plain, plain_opt, rank, s)
+        # global - (global - average): the average, up to the rounding of one subtraction
+        torch.testing.assert_close(param.detach(), plain.detach(), rtol=0, atol=1e-6)
+    gathered = hvd.allgather(param.detach().reshape(1, -1), name="test.diloco.plain")
+    assert torch.equal(gathered.min(0).values, gathered.max(0).values)
+
+
+@pytest.mark.parametrize("checkpoint_after", [6, 7])  # 6: right after a firing step (period 3)
+def test_resume_is_bit_identical(world, rank, checkpoint_after):
+    steps = 12
+    param, opt = make(world, lambda: hva.PeriodicModelAverager(period=3))
+    for s in range(steps):
+        train_step(param, opt, rank, s)
+    uninterrupted = param.detach().clone()
+
+    param, opt = make(world, lambda: hva.PeriodicModelAverager(period=3))
+    for s in range(checkpoint_after):
+        train_step(param, opt, rank, s)
+    saved = {"param": param.detach().clone(), "opt": opt.state_dict()}
+    assert {"step", "averager", "outer_optimizer", "global_parameters"} <= set(saved["opt"])
+    param, opt = make(world, lambda: hva.PeriodicModelAverager(period=3))
+    with torch.no_grad():
+        param.copy_(saved["param"])
+    opt.load_state_dict(saved["opt"])
+    for s in range(checkpoint_after, steps):
+        train_step(param, opt, rank, s)
+    assert torch.equal(param.detach(), uninterrupted)
+    assert hvd.allgather_object(torch.equal(param.detach(), uninterrupted),
+                                name=f"test.diloco.resume.{checkpoint_after}") == [True] * world
+
+
+def test_bad_arguments_raise_on_every_rank(world):
+    param = torch.nn.Parameter(torch.zeros(SHAPE))
+    inner = torch.optim.SGD([param], lr=LR)
+    averager = hva.PeriodicModelAverager(period=3)
+    error = expect_error_on_every_rank(lambda: hva.DiLoCo(inner, averager, outer_optimizer=5),
+                                       TypeError)
+    assert "outer_optimizer must be a callable" in str(error)
+    error = expect_error_on_every_rank(
+        lambda: hva.DiLoCo(inner, averager, outer_optimizer=lambda p: "not an optimizer"),
+        TypeError)
+    assert "must return a torch.optim.Optimizer, got str" in str(error)
+    error = expect_error_on_every_rank(lambda: hva.DiLoCo(inner, object()), TypeError)
+    assert "averager must be a hvd_averaging.ModelAverager" in str(error)
