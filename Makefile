@@ -61,8 +61,10 @@ test-unit: install
 test-multiprocess: install
 	$(PY) tools/run_tests.py --multiprocess-only
 
-demo: install
-	$(VENV)/bin/horovodrun -np $(NP) $(PY) -m hvd_averaging.examples.train --out results/demo
+# The main job on 2 emulated nodes x 2 ranks with a 16 Mbit/s link (one host where that is not
+# possible); DEMO_ARGS go to tools/run_demo.py and the training script (e.g. --rate-mbit 100).
+demo: install system-packages
+	$(PY) tools/run_demo.py $(DEMO_ARGS)
 
 bench: install
 	$(PY) bench/run.py --out results/bench
@@ -75,11 +77,13 @@ docker: install system-packages
 # Every wheel the image installs, built or fetched here (Horovod's from tools/build_horovod.sh's cache).
 wheelhouse: install
 	rm -rf $(WHEELHOUSE_OUT) && mkdir -p $(WHEELHOUSE_OUT)/hvd-cache
-	$(PY) -m pip wheel -q -w $(WHEELHOUSE_OUT) "$(TORCH_SPEC)" numpy "cmake>=3.18,<4" packaging wheel \
-	  "setuptools<81" "setuptools>=61" pytest cloudpickle psutil pyyaml ".[test,examples]"
+	cache="$${HVD_CACHE:-$${XDG_CACHE_HOME:-$$HOME/.cache}/hvd_averaging}"; \
+	links=$$(for d in "$$cache"/wheels/*/; do printf -- '--find-links %s ' "$$d"; done); \
+	$(PY) -m pip wheel -q -w $(WHEELHOUSE_OUT) $$links "$(TORCH_SPEC)" numpy "cmake>=3.18,<4" \
+	  packaging wheel "setuptools<81" "setuptools>=61" pytest ".[test,examples]" && \
+	cp -r "$$cache/wheels" $(WHEELHOUSE_OUT)/hvd-cache/
 	$(PY) -m pip wheel -q --no-binary mpi4py -w $(WHEELHOUSE_OUT) mpi4py
 	rm -f $(WHEELHOUSE_OUT)/hvd_averaging-*.whl
-	cp -r "$${HVD_CACHE:-$${XDG_CACHE_HOME:-$$HOME/.cache}/hvd_averaging}/wheels" $(WHEELHOUSE_OUT)/hvd-cache/
 
 clean:
 	rm -rf $(VENV) build *.egg-info results .pytest_cache $(WHEELHOUSE_OUT)

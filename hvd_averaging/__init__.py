@@ -8,7 +8,7 @@ integration: post-local SGD, DiLoCo) -> ``examples``.
 """
 
 from .averagers import HierarchicalModelAverager, ModelAverager, PeriodicModelAverager
-from .communication import NonFiniteError, average_parameters
+from .communication import NonFiniteError, TrafficCounters, average_parameters, reset_traffic, traffic
 from .optim import PostLocalSGD, PostLocalSGDOptimizer
 from .outer import DiLoCo, default_outer_optimizer, slowmo_outer_optimizer
 from .runtime import AveragingTimeoutError, init, local_process_set, process_set, set_timeout, timeout
@@ -30,4 +30,7 @@ __all__ = [
     "set_timeout",
     "AveragingTimeoutError",
     "NonFiniteError",
+    "traffic",
+    "reset_traffic",
+    "TrafficCounters",
 ]

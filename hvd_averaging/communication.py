@@ -22,17 +22,20 @@ round, the process set and the ranks, instead of hanging the job.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Iterable, Optional, Union
 
 import horovod.torch as hvd
 import torch
 
 from .flat_storage import Packing, pack
-from .runtime import bounded_collective, check_same_on_all_ranks, config_digest, members
+from .runtime import (bounded_collective, check_same_on_all_ranks, config_digest,
+                      known_rank_to_node, members)
 
 __all__ = [
     "collect_parameters",
     "floating_buffers",
+    "TrafficCounters",
     "traffic",
     "reset_traffic",
     "forget_layout_agreements",
@@ -50,9 +53,29 @@ _MAX_PACKINGS = 8
 _reused_buffers: dict[tuple, dict] = {}  # per name, for tensors copied through (gradients)
 _agreed_layouts: dict[tuple, int] = {}  # (set id, name) -> layout digest all members agreed on
 
-# Counted by average_tensors on this rank: averaging rounds over the whole (global) process set,
-# rounds over smaller sets, and the payload bytes this rank handed to allreduce.
-traffic = {"global_allreduces": 0, "local_allreduces": 0, "bytes": 0}
+
+
+@dataclass
+class TrafficCounters:
+    """What :func:`average_tensors` moved on this rank since the last :func:`reset_traffic`.
+
+    Attributes:
+        global_allreduces: averaging rounds over all ranks.
+        local_allreduces: rounds over smaller sets.
+        bytes: payload bytes this rank handed to allreduce.
+        cross_node_bytes: the part of ``bytes`` in rounds whose set spans more than one node
+            (what crosses the link between nodes; counted when the placement is known, i.e.
+            after ``hva.init()``).
+    """
+
+    global_allreduces: int = 0
+    local_allreduces: int = 0
+    bytes: int = 0
+    cross_node_bytes: int = 0
+
+
+_traffic = TrafficCounters()
+_set_crosses_nodes: dict[int, bool] = {}  # process set id -> spans several nodes
 
 
 class NonFiniteError(ValueError):
@@ -63,12 +86,34 @@ def forget_layout_agreements() -> None:
     """Forget which layouts the ranks agreed on (process set ids are reassigned after an elastic
     reset, so the next round over each set checks again)."""
     _agreed_layouts.clear()
+    _set_crosses_nodes.clear()
+
+
+def traffic() -> TrafficCounters:
+    """A snapshot of this rank's traffic counters (see :class:`TrafficCounters`).
+
+    Example::
+
+        >>> hva.reset_traffic()
+        >>> ...  # train
+        >>> print(hva.traffic().cross_node_bytes / 1e6, "MB over the link between nodes")
+    """
+    return replace(_traffic)
 
 
 def reset_traffic() -> None:
-    """Zero the counters in :data:`traffic`."""
-    for key in traffic:
-        traffic[key] = 0
+    """Zero this rank's traffic counters."""
+    global _traffic
+    _traffic = TrafficCounters()
+
+
+def _crosses_nodes(set_id: int, set_ranks: list[int]) -> bool:
+    if set_id not in _set_crosses_nodes:
+        nodes = known_rank_to_node()
+        if nodes is None:
+            return False
+        _set_crosses_nodes[set_id] = len({nodes[r] for r in set_ranks}) > 1
+    return _set_crosses_nodes[set_id]
 
 
 def floating_buffers(buffers) -> list[torch.Tensor]:
@@ -239,9 +284,14 @@ def average_tensors(
     if not tensors or len(set_ranks) == 1:
         return
 
-    traffic["global_allreduces" if len(set_ranks) == hvd.size() else "local_allreduces"] += 1
+    if len(set_ranks) == hvd.size():
+        _traffic.global_allreduces += 1
+    else:
+        _traffic.local_allreduces += 1
     nbytes = sum(slab.flat.numel() * slab.flat.element_size() for slab in packing.slabs)
-    traffic["bytes"] += nbytes
+    _traffic.bytes += nbytes
+    if _crosses_nodes(set_id, set_ranks):
+        _traffic.cross_node_bytes += nbytes
     with bounded_collective(what, nbytes) as collective:
         handles = [hvd.allreduce_async_(
             slab.flat, op=hvd.Average, process_set=process_set,

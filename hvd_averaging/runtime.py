@@ -32,6 +32,7 @@ __all__ = [
     "dynamic_process_sets_enabled",
     "registered_process_sets",
     "rank_to_node",
+    "known_rank_to_node",
     "config_digest",
     "check_same_on_all_ranks",
     "members",
@@ -115,6 +116,10 @@ def init(comm=None, *, group_sizes: Optional[Sequence[int]] = None) -> None:
     forget_process_sets()
     if placement is not None:
         _rank_to_node_cache = (len(placement), list(placement))
+    elif not elastic_job():
+        # Collective like init itself, so traffic counters know which sets cross nodes. Not in
+        # elastic jobs: a joining worker's init is matched by no call on the others.
+        rank_to_node()
 
 
 def elastic_job() -> bool:
@@ -433,6 +438,14 @@ def process_set(ranks: Iterable[int]) -> hvd.ProcessSet:
     created = hvd.add_process_set(list(key))
     _sets_by_ranks[key] = created
     return created
+
+
+def known_rank_to_node() -> Optional[list[Hashable]]:
+    """The node of every rank if this process knows it already (no collective), else None."""
+    if _rank_to_node_cache is not None and hvd.is_initialized() and \
+            _rank_to_node_cache[0] == hvd.size():
+        return list(_rank_to_node_cache[1])
+    return None
 
 
 def rank_to_node() -> list[Hashable]:

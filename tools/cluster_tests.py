@@ -250,6 +250,14 @@ def run_cut_link(controller: str, start_up_sets: bool) -> bool:
         return _report(label, ok, outcome, notes)
 
 
+# What launchers and the library print when a node is gone: horovodrun names the rank and exit
+# code, OpenMPI the peer host, or (when the daemon's ssh stand-in is what died) only that a
+# daemon failed.
+LOSS_REPORTS = ("lost communication", "exited on signal", "Killed", "exit with status", "noticed",
+                "hvd_averaging watchdog", "Peer host", "unexpectedly disconnected",
+                "unable to reliably start one or more daemons")
+
+
 def run_node_lost(controller: str) -> bool:
     """Every process on node 1 is killed at step 10."""
     label = f"node 1 lost mid-training (every process on it killed), {controller.upper()}"
@@ -263,9 +271,7 @@ def run_node_lost(controller: str) -> bool:
                                   checkpoints)
     out = outcome.output
     names_lost = [line.strip() for line in out.splitlines() if "cluster_train:" not in line
-                  and any(k in line for k in ("lost communication", "exited on signal", "Killed",
-                                              "exit with status", "noticed", "hvd_averaging watchdog", "Peer host", "unexpectedly disconnected",
-                                              "unable to reliably start one or more daemons"))]
+                  and any(k in line for k in LOSS_REPORTS)]
     ok = (outcome.over_after_fault is not None and outcome.over_after_fault <= bound
           and outcome.returncode not in (0, None) and "reached the end of training" not in out
           and bool(names_lost))

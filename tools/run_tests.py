@@ -160,6 +160,26 @@ def run_elastic_shrink(timeout_s: int) -> bool:
     return ok
 
 
+def run_demo_fast(timeout_s: int) -> bool:
+    """The main job's fast mode (digits, every method including DiLoCo) under horovodrun."""
+    import tempfile
+    label = "demo fast mode: horovodrun -np 4 ... train --task digits --fast"
+    print(f"\n=== {label}", flush=True)
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [str(BIN / "horovodrun"), "-np", "4", "-H", "localhost:4", str(BIN / "python"), "-m",
+               "hvd_averaging.examples.train", "--task", "digits", "--fast", "--quiet", "--out", out]
+        start = time.monotonic()
+        output, rc = launch(cmd, launch_env(), timeout_s)
+        written = sorted(p.name for p in Path(out).iterdir())
+    table = [line.split("<stdout>:", 1)[-1] for line in output.splitlines() if "| " in line]
+    ok = (rc == 0 and sum("DiLoCo" in row for row in table) == 2
+          and any("synchronous SGD" in row for row in table) and "results.md" in written
+          and sum(name.endswith(".png") for name in written) == 2)
+    print(output if not ok else "\n".join(table) + f"\nwrote {', '.join(written)}", flush=True)
+    print(f"=== {'ok' if ok else 'FAILED'}: {label} ({time.monotonic() - start:.0f} s)", flush=True)
+    return ok
+
+
 def run_docker_image(timeout_s: int) -> bool:
     """tools/docker_image.py: the CPU image built (podman or docker, offline from the
     wheelhouse; the layer cache makes it quick after the first time), then --check and the
@@ -199,6 +219,7 @@ def main() -> int:
                 run_rank_death(controller, np, die_at)
         results["elastic gloo 4 -> 3"] = run_elastic_shrink(args.timeout)
         results["entrypoint --check"] = run_entrypoint_check(args.timeout)
+        results["demo fast mode"] = run_demo_fast(args.timeout)
     results.update(cluster_tests.run_all(BIN, args.timeout))
     if not (args.cluster_only or args.no_docker):
         results["docker image"] = run_docker_image(1800)
