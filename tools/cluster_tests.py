@@ -96,7 +96,9 @@ SUITES = [
 
 
 def run_suite(run: SuiteRun, timeout_s: int) -> bool:
-    env = launch_env(PYTHONPATH=str(ROOT / run.rootdir), HVA_TEST_NODES="2", **run.env)
+    # helpers (fixtures, shared helpers) live in tests/multiprocess for both suites
+    env = launch_env(PYTHONPATH=f"{ROOT / run.rootdir}:{ROOT / 'tests/multiprocess'}",
+                     HVA_TEST_NODES="2", **run.env)
     with Cluster(2, RATE_MBIT) as cluster:
         if run.launcher.startswith("horovodrun"):
             argv = _horovodrun(cluster, run.launcher.split("-")[1], run.slots)

@@ -9,10 +9,10 @@ import os
 import warnings
 
 import horovod.torch as hvd
-import pytest
 import torch
 
 import hvd_averaging as hva
+from helpers import rank, world  # noqa: F401  (fixtures)
 
 # What hva.init() said before Horovod started, for the tests to check on every rank.
 INIT_WARNINGS: list = []
@@ -39,12 +39,3 @@ def pytest_configure(config):
         hva.init()
     torch.manual_seed(0)
 
-
-@pytest.fixture
-def world():
-    return hvd.size()
-
-
-@pytest.fixture
-def rank():
-    return hvd.rank()

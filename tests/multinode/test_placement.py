@@ -10,9 +10,10 @@ import torch
 
 import hvd_averaging as hva
 from hvd_averaging.runtime import members, rank_to_node
+from helpers import param
 
 
-__all__ = ["hosts", "same_host_ranks", "param"]
+__all__ = ["hosts", "same_host_ranks"]
 
 
 def hosts():
@@ -23,12 +24,6 @@ def hosts():
 def same_host_ranks(rank):
     names = hosts()
     return [r for r, h in enumerate(names) if h == names[rank]]
-
-
-def param(value, shape=(3,)):
-    p = torch.nn.Parameter(torch.full(shape, float(value)))
-    p.grad = torch.zeros_like(p)
-    return p
 
 
 def test_job_spans_the_expected_nodes(world):
@@ -72,7 +67,7 @@ def test_node_level_of_hierarchy_is_the_node(world, rank):
 
 def test_global_average_of_a_large_model_crosses_the_link(world, rank):
     torch.manual_seed(rank)
-    params = [param(0, (1000, 250)) for _ in range(4)]
+    params = [param(0, shape=(1000, 250)) for _ in range(4)]
     with torch.no_grad():
         for p in params:
             p.copy_(torch.randn_like(p))

@@ -7,7 +7,8 @@ import hvd_averaging as hva
 from hvd_averaging.runtime import members
 
 import conftest
-from test_placement import hosts, param
+from helpers import param
+from test_placement import hosts
 
 
 def everyone_raised(func, exc_type):

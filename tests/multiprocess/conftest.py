@@ -6,10 +6,10 @@ rank assert on values that depend on the other ranks.
 import os
 
 import horovod.torch as hvd
-import pytest
 import torch
 
 import hvd_averaging as hva
+from helpers import rank, world  # noqa: F401  (fixtures)
 
 
 # Set by the group_sizes run: what hva.init(group_sizes=[3]) raised before Horovod started.
@@ -32,12 +32,3 @@ def pytest_configure(config):
         hva.init()
     torch.manual_seed(0)
 
-
-@pytest.fixture
-def world():
-    return hvd.size()
-
-
-@pytest.fixture
-def rank():
-    return hvd.rank()

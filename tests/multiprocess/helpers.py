@@ -1,6 +1,19 @@
 """Shared helpers for the multi-process tests."""
 import horovod.torch as hvd
+import pytest
 import torch
+
+
+@pytest.fixture
+def world():
+    """Horovod's world size (a fixture; conftests import it)."""
+    return hvd.size()
+
+
+@pytest.fixture
+def rank():
+    """This process's Horovod rank (a fixture; conftests import it)."""
+    return hvd.rank()
 
 
 def param(value, dtype=torch.float32, shape=(3,)):
