@@ -9,6 +9,7 @@ exceeds its time limit (a hung collective) is killed and reported as a failure.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -171,10 +172,18 @@ def run_demo_fast(timeout_s: int) -> bool:
         start = time.monotonic()
         output, rc = launch(cmd, launch_env(), timeout_s)
         written = sorted(p.name for p in Path(out).iterdir())
+        results = json.loads((Path(out) / "results.json").read_text())["results"] \
+            if "results.json" in written else []
+    methods = [r["method"] for r in results]
+    sync = results[0] if results else {"global_allreduces": 0, "steps": -1}
+    fewer = [r["method"] for r in results[1:] if r["global_allreduces"] < sync["global_allreduces"]]
     table = [line.split("<stdout>:", 1)[-1] for line in output.splitlines() if "| " in line]
     ok = (rc == 0 and sum("DiLoCo" in row for row in table) == 2
           and any("synchronous SGD" in row for row in table) and "results.md" in written
-          and sum(name.endswith(".png") for name in written) == 2)
+          and sum(name.endswith(".png") for name in written) == 2
+          and methods == ["sync", "local", "postlocal", "hierarchical", "diloco", "hierdiloco"]
+          # synchronous SGD averages every step and once at the end; every other method less
+          and sync["global_allreduces"] == sync["steps"] + 1 and fewer == methods[1:])
     print(output if not ok else "\n".join(table) + f"\nwrote {', '.join(written)}", flush=True)
     print(f"=== {'ok' if ok else 'FAILED'}: {label} ({time.monotonic() - start:.0f} s)", flush=True)
     return ok

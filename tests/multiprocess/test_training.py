@@ -1,7 +1,6 @@
 """Training integration on real ranks: parity with a hand-computed reference, resume, the
-gradient switch of post-local SGD, GradScaler skips, buffers, and the demo's entry point."""
+gradient switch of post-local SGD, GradScaler skips and buffers."""
 import copy
-import json
 
 import horovod.torch as hvd
 import pytest
@@ -202,21 +201,3 @@ def test_buffers_averaged_at_the_same_moments_only_when_asked(world, rank, with_
         assert values == [rank, rank + 1]
     assert bn.num_batches_tracked.item() == 2  # integer buffer never averaged
     assert gathered(bn.running_mean[0])[rank] == rank + 1
-
-
-def test_demo_entry_point_fast_mode(world, rank, tmp_path_factory):
-    from hvd_averaging.examples import train
-
-    out = tmp_path_factory.mktemp("demo") if rank == 0 else None
-    out = hvd.broadcast_object(str(out) if out else None, root_rank=0, name="demo_out")
-    assert train.main(["--fast", "--quiet", "--out", out]) == 0
-    if rank == 0:
-        results = json.loads((__import__("pathlib").Path(out) / "results.json").read_text())
-        methods = [r["method"] for r in results["results"]]
-        assert methods == ["sync", "local", "local", "postlocal", "hierarchical"]
-        sync = results["results"][0]
-        assert sync["global_allreduces"] == sync["steps"] + 1  # every step + the final average
-        fewer = [r["method"] for r in results["results"][1:]
-                 if r["global_allreduces"] < sync["global_allreduces"]]
-        # on 2 ranks post-local SGD's "node" of 2 is the whole world
-        assert fewer == (methods[1:] if world >= 4 else ["local", "local", "hierarchical"])
