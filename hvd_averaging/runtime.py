@@ -195,7 +195,8 @@ class AveragingTimeoutError(RuntimeError):
 
 # Ends this process when a collective blocks where polling cannot reach (see .watchdog).
 _WATCHDOG = Watchdog()
-_exit_after_timeout_seconds: object = "unset"  # set_timeout(..., exit_after=...)
+_UNSET = object()  # "not given" for set_timeout's exit_after, and "not set" for its value
+_exit_after_timeout_seconds: object = _UNSET
 _ended_by_timeout = False
 
 
@@ -216,7 +217,7 @@ def exit_after_timeout() -> Optional[float]:
     saving a checkpoint) before the watchdog ends it; None: never. Default: half the timeout,
     so that a job whose link or node is gone is over within twice the timeout. Set by
     :func:`set_timeout` or ``HVA_EXIT_AFTER_TIMEOUT_SECONDS`` (a number, or ``never``)."""
-    if _exit_after_timeout_seconds != "unset":
+    if _exit_after_timeout_seconds is not _UNSET:
         return _exit_after_timeout_seconds  # type: ignore[return-value]
     raw = os.environ.get("HVA_EXIT_AFTER_TIMEOUT_SECONDS")
     if raw is not None and raw.strip().lower() == "never":
@@ -244,10 +245,7 @@ def _check_seconds(name: str, seconds) -> float:
     return float(seconds)
 
 
-_KEEP = object()
-
-
-def set_timeout(seconds: Optional[float], *, exit_after: object = _KEEP) -> None:
+def set_timeout(seconds: Optional[float], *, exit_after: object = _UNSET) -> None:
     """Set the timeout of this library's collectives, in seconds, for this process (None: back
     to ``HVA_TIMEOUT_SECONDS`` or the default). Raise it when ranks may legitimately arrive far
     apart (one rank writing a large checkpoint while the others reach the next averaging step)
@@ -265,13 +263,11 @@ def set_timeout(seconds: Optional[float], *, exit_after: object = _KEEP) -> None
     global _timeout_seconds, _exit_after_timeout_seconds
     if seconds is not None:
         seconds = _check_seconds("timeout", seconds)
-    if exit_after is not _KEEP and exit_after is not None:
+    if exit_after is not _UNSET and exit_after is not None:
         exit_after = _check_seconds("exit_after", exit_after)
     _timeout_seconds = seconds
-    if exit_after is not _KEEP:
+    if exit_after is not _UNSET or seconds is None:
         _exit_after_timeout_seconds = exit_after
-    elif seconds is None:
-        _exit_after_timeout_seconds = "unset"
 
 
 EXIT_CODE_AFTER_TIMEOUT = 75  # EX_TEMPFAIL: the job may succeed when restarted from a checkpoint

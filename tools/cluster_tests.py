@@ -14,7 +14,6 @@ in the nodes' namespaces, and what the user saw.
 
 from __future__ import annotations
 
-import os
 import tempfile
 import threading
 import time
@@ -44,8 +43,10 @@ def _horovodrun(cluster: Cluster, controller: str, slots) -> list[str]:
             "-H", cluster.hosts_arg(slots), "--network-interface", "eth0"]
 
 
-def _mpirun(cluster: Cluster, slots, *extra: str, env_names=()) -> list[str]:
-    names = [n for n in ("PATH", "PYTHONPATH", *env_names) if n in os.environ or n.startswith("HVA_")]
+def _mpirun(cluster: Cluster, slots, env: dict, *extra: str) -> list[str]:
+    """mpirun across the cluster, exporting PATH, PYTHONPATH and the HVA_ variables of ``env``
+    (the environment it will run with) to every rank, as a real cluster needs."""
+    names = [n for n in env if n in ("PATH", "PYTHONPATH") or n.startswith("HVA_")]
     exports = [arg for name in names for arg in ("-x", name)]
     return ["mpirun", *cluster.mpirun_args(), "--tag-output", "-np", str(_count(slots)),
             "-H", cluster.hosts_arg(slots), *extra, *exports]
@@ -104,7 +105,7 @@ def run_suite(run: SuiteRun, timeout_s: int) -> bool:
             argv = _horovodrun(cluster, run.launcher.split("-")[1], run.slots)
         else:
             extra = ("--map-by", "node") if run.launcher == "mpirun-round-robin" else ()
-            argv = _mpirun(cluster, run.slots, *extra, env_names=list(run.env) + ["HVA_TEST_NODES"])
+            argv = _mpirun(cluster, run.slots, env, *extra)
         argv += _pytest(run.rootdir, run.targets)
         print(f"\n=== multi-node: {run.label} ({RATE_MBIT} Mbit/s between nodes): "
               f"{' '.join(argv[1:6])} ...", flush=True)
@@ -195,7 +196,7 @@ def _train_argv(checkpoint_dir: Path, *extra: str) -> list[str]:
 def _fault_launch(cluster: Cluster, controller: str, checkpoints: Path, *extra: str):
     """argv and environment of cluster_train.py on 2 nodes x 2 ranks with the fault timeout."""
     env = launch_env(HVA_TIMEOUT_SECONDS=str(FAULT_TIMEOUT_S))
-    argv = _mpirun(cluster, 2, env_names=["HVA_TIMEOUT_SECONDS"]) if controller == "mpi" \
+    argv = _mpirun(cluster, 2, env) if controller == "mpi" \
         else _horovodrun(cluster, "gloo", 2)
     return argv + _train_argv(checkpoints, *extra), env
 

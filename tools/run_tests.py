@@ -50,14 +50,14 @@ def launch(cmd: list[str], env: dict[str, str], timeout_s: int):
     try:
         output, _ = proc.communicate(timeout=timeout_s)
         return output, proc.returncode
-    except BaseException:
+    except BaseException as error:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         output, _ = proc.communicate()
-        if proc.returncode is not None and proc.returncode >= 0:
-            return output, proc.returncode
+        if not isinstance(error, subprocess.TimeoutExpired):
+            raise  # Ctrl-C or SIGTERM: the launch is stopped, and so is the run
         return output, None
 
 

@@ -21,6 +21,7 @@ import torch
 
 import hvd_averaging as hva
 import hvd_averaging.elastic  # noqa: F401  (registers the averager with TorchState)
+from elastic_step import train_step
 from hvd_averaging.runtime import members
 
 BATCHES, LEAVE_AT, JOIN_AT = 61, 10, 30  # the last step (60) averages over all ranks
@@ -39,11 +40,7 @@ state = hvd.elastic.TorchState(model, optimizer, averager=averager, batch=0, nod
 @hvd.elastic.run
 def train(state):
     while state.batch < BATCHES:
-        torch.manual_seed(1000 * hvd.rank() + state.batch)
-        optimizer.zero_grad()
-        model(torch.randn(4, 8)).square().mean().backward()
-        optimizer.step()
-        state.averager.average_parameters(model.parameters())
+        train_step(model, optimizer, state.averager, state.batch)
         if state.batch % 4 == 2:  # the node level just averaged: is it the node?
             names = hvd.allgather_object(socket.gethostname(), name="elastic.hosts")
             pair = members(state.averager.period_process_set_dict[2])

@@ -19,6 +19,7 @@ import torch
 
 import hvd_averaging as hva
 import hvd_averaging.elastic  # noqa: F401  (registers the averager with TorchState)
+from elastic_step import train_step
 from hvd_averaging.runtime import dynamic_process_sets_enabled
 
 BATCHES, SHRINK_AT = 41, 10  # the last step (40) averages over all ranks
@@ -47,11 +48,7 @@ state.register_reset_callbacks([on_reset])
 @hvd.elastic.run
 def train(state):
     while state.batch < BATCHES:
-        torch.manual_seed(1000 * hvd.rank() + state.batch)
-        optimizer.zero_grad()
-        model(torch.randn(4, 8)).square().mean().backward()
-        optimizer.step()
-        state.averager.average_parameters(model.parameters())
+        train_step(model, optimizer, state.averager, state.batch)
         state.batch += 1
         if state.batch == SHRINK_AT and hvd.rank() == 0 and hvd.size() == 4:
             Path(os.environ["HVA_ELASTIC_HOSTS_FILE"]).write_text("localhost:3\n")
