@@ -22,7 +22,7 @@ MPI4PY_SOURCE := --no-binary mpi4py
 endif
 WHEELHOUSE_OUT := docker/wheelhouse
 
-.PHONY: install system-packages test test-unit test-multiprocess test-cluster demo bench docker wheelhouse clean
+.PHONY: install system-packages test test-unit test-multiprocess test-cluster demo bench bench-cluster docker wheelhouse clean
 
 install: $(VENV)/.installed
 
@@ -66,8 +66,12 @@ test-multiprocess: install
 demo: install system-packages
 	$(PY) tools/run_demo.py $(DEMO_ARGS)
 
-bench: install
+# Single host (both controllers, 2 and 4 ranks), then the cluster section on 2 emulated nodes.
+bench: install system-packages
 	$(PY) bench/run.py --out results/bench
+
+bench-cluster: install system-packages
+	$(PY) bench/run.py --out results/bench --cluster-only
 
 # Builds the CPU image with docker or podman (offline, from the wheelhouse), runs --check and the
 # demo's fast mode inside it; OCI=path.tar also writes an OCI archive (for Apptainer).

@@ -1,5 +1,8 @@
 """``make bench``: launch bench_averaging.py for each transport and rank count, then write
-``results/bench/bench.md`` (tables, target checks) and ``results/bench/bench.png``.
+``results/bench/bench.md`` (tables, target checks) and ``results/bench/bench.png``; then the
+cluster section: bench_cluster.py on emulated nodes (tools/cluster.py) joined by a 200 Mbit/s
+link, written to the same report and ``results/bench/cluster.png`` (one line says why not
+where this machine cannot emulate nodes).
 
 The 2- and 4-rank runs of one controller run back to back on this machine. Then, per
 controller, short 4-rank launches that time only the hierarchy levels alternate between groups
@@ -20,6 +23,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
+sys.path.insert(0, str(ROOT / "tools"))
+from cluster import Cluster, ClusterUnavailable, check_privileges  # noqa: E402
+from rank_output import launch_env  # noqa: E402
+
+CLUSTER_RATE_MBIT = 200
+# (controller, ranks per node, with the overlapped-training part)
+CLUSTER_RUNS = [("mpi", 2, True), ("mpi", 4, False), ("gloo", 2, False)]
+C_HOROVOD, C_FLAT, C_NA, C_NA16, C_FLAT16, C_NODE = (
+    "Horovod allreduce_ of one flat buffer", "hva, flat (one allreduce)", "hva, node-aware",
+    "hva, node-aware, fp16 wire", "hva, flat, fp16 wire", "hva inside one node (reference)")
 HVA = "hva.average_parameters"
 TORCH = "PyTorch utils.average_parameters (Gloo)"
 FLOOR = "floor: one allreduce_ of a flat buffer"
@@ -153,15 +166,137 @@ def chart(reports: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def launch_on_cluster(controller: str, per_node: int, overlap: bool, out: Path, reps: int) -> None:
+    env = launch_env(OMPI_MCA_mpi_yield_when_idle="1")  # ranks oversubscribe the cores
+    with Cluster(2, CLUSTER_RATE_MBIT) as cluster:
+        cmd = [str(BIN / "horovodrun"), f"--{controller}", "-np", str(2 * per_node),
+               "-H", cluster.hosts_arg(per_node), "--network-interface", "eth0",
+               str(BIN / "python"), str(ROOT / "bench" / "bench_cluster.py"), "--out", str(out),
+               "--reps", str(reps), "--rate-mbit", str(CLUSTER_RATE_MBIT),
+               *(["--overlap"] if overlap else [])]
+        print(f"=== 2 emulated nodes x {per_node}, {CLUSTER_RATE_MBIT} Mbit/s: {' '.join(cmd[1:8])} ...",
+              flush=True)
+        result = cluster.run(cmd, env=env, cwd=str(ROOT), timeout_s=900)
+    for line in result.output.splitlines():
+        if " ms" in line and ("<stdout>" in line) and ("[1,0]" in line or "[0]" in line):
+            print("   ", line.split(">:", 1)[-1], flush=True)
+    if result.returncode != 0:
+        print(result.output[-4000:])
+        raise SystemExit(f"cluster benchmark failed ({controller}, 2 x {per_node}), rc {result.returncode}")
+    print(f"    {result.seconds:.0f} s", flush=True)
+
+
+def cluster_report(runs: dict) -> str:
+    lines = [f"\n## Across 2 emulated nodes ({CLUSTER_RATE_MBIT} Mbit/s link)\n",
+             "Network namespaces on this one machine (`tools/cluster.py`), a tbf rate limit on "
+             "what each node receives; all ranks share this machine's CPUs. The link limit is "
+             "the least time any averaging can take: each node must receive 2 (n-1)/n of the "
+             "buffer. Times: the slowest rank's, min (median) over repetitions, ms.\n"]
+    checks = []
+    for (controller, per_node), rep in runs.items():
+        limit = rep["link_limit_s"]
+        methods = rep["methods"]
+        horovod = methods[C_HOROVOD]["min_s"]
+        lines.append(f"\n### {controller.upper()}, 2 nodes x {per_node} ranks, "
+                     f"{rep['bytes'] / 2 ** 20:.0f} MiB float32 in {rep['tensors']} tensors; "
+                     f"link limit {limit * 1e3:.0f} ms (float16: {limit * 500:.0f} ms)\n")
+        lines.append("| method | ms | / link limit | / Horovod flat allreduce |")
+        lines.append("|---|---|---|---|")
+        for label, r in methods.items():
+            lines.append(f"| {label} | {ms(r['min_s'])} ({ms(r['median_s'])}) | "
+                         f"{r['min_s'] / limit:.2f} | {r['min_s'] / horovod:.2f} |")
+        na, na16 = methods[C_NA]["min_s"], methods[C_NA16]["min_s"]
+        checks.append(f"- {controller} 2x{per_node}: node-aware / link limit {na / limit:.2f} "
+                      f"(target <= 1.15: {'met' if na / limit <= 1.15 else 'MISSED'}), node-aware / "
+                      f"Horovod flat {na / horovod:.2f} (target < 1: {'met' if na < horovod else 'MISSED'}); "
+                      f"fp16 / fp32 node-aware {na16 / na:.2f} (target <= 0.55: "
+                      f"{'met' if na16 / na <= 0.55 else 'MISSED'})")
+        overlap = rep.get("overlap")
+        if overlap:
+            base = overlap["no averaging"]["step_s"]
+            lines.append(f"\nTraining with local SGD every {overlap['period']} steps "
+                         f"({overlap['steps']} steps, node-aware averaging of the same buffer), "
+                         "time per step:\n")
+            lines.append("| run | ms/step | / no averaging | average_parameters while a round is in flight (median, max us) |")
+            lines.append("|---|---|---|---|")
+            for label, r in overlap.items():
+                if not isinstance(r, dict):
+                    continue
+                polls = (f"{r['polling_call_us_median']:.1f}, {r['polling_call_us_max']:.0f}"
+                         if "polling_call_us_median" in r else "")
+                lines.append(f"| {label} | {r['step_s'] * 1e3:.1f} | {r['step_s'] / base:.3f} | {polls} |")
+            delayed = overlap[f"local SGD, delay {overlap['delay']}"]
+            sync = overlap["local SGD, delay 0"]
+            checks.append(f"- {controller} 2x{per_node}, overlapped averaging (period "
+                          f"{overlap['period']}, delay {overlap['delay']}): {delayed['step_s'] / base:.3f}x "
+                          f"the step time without averaging (target <= 1.10: "
+                          f"{'met' if delayed['step_s'] / base <= 1.10 else 'MISSED'}); delay 0: "
+                          f"{sync['step_s'] / base:.3f}x; polling calls median "
+                          f"{delayed['polling_call_us_median']:.1f} us (target < 10: "
+                          f"{'met' if delayed['polling_call_us_median'] < 10 else 'MISSED'}), max "
+                          f"{delayed['polling_call_us_max']:.0f} us")
+    lines.append("\n### Cluster targets\n")
+    lines.extend(checks)
+    return "\n".join(lines) + "\n"
+
+
+def cluster_chart(runs: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = [C_HOROVOD, C_FLAT, C_NA, C_FLAT16, C_NA16]
+    keys = list(runs)
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / len(methods)
+    for i, m in enumerate(methods):
+        ax.bar([j + i * width for j in range(len(keys))],
+               [runs[k]["methods"][m]["min_s"] / runs[k]["link_limit_s"] for k in keys], width, label=m)
+    ax.axhline(1.0, color="black", linestyle="--", linewidth=1)
+    ax.axhline(1.15, color="grey", linestyle=":", linewidth=1)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(keys))])
+    ax.set_xticklabels([f"{c.upper()} 2 nodes x {n}" for c, n in keys])
+    ax.set_ylabel("time / link limit (float32 bytes)")
+    ax.set_title(f"Global averaging across 2 emulated nodes, {CLUSTER_RATE_MBIT} Mbit/s")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def cluster_section(out_dir: Path, reps: int, report_only: bool) -> str:
+    runs = {}
+    if not report_only:
+        try:
+            check_privileges()
+        except ClusterUnavailable as why:
+            return f"\n## Across emulated nodes\n\nNot measured: this machine cannot emulate nodes ({why}).\n"
+    for controller, per_node, overlap in CLUSTER_RUNS:
+        path = out_dir / f"cluster-{controller}-2x{per_node}.json"
+        if not report_only:
+            launch_on_cluster(controller, per_node, overlap, path, reps)
+        if path.exists():
+            runs[(controller, per_node)] = json.loads(path.read_text())
+    if not runs:
+        return "\n## Across emulated nodes\n\nNo cluster results in this folder.\n"
+    cluster_chart(runs, out_dir / "cluster.png")
+    return cluster_report(runs)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(ROOT / "results" / "bench"))
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--report-only", action="store_true",
                         help="rewrite bench.md/png from the JSON files already in --out")
+    parser.add_argument("--cluster-only", action="store_true", help="only the cluster section")
     args = parser.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.cluster_only:
+        text = cluster_section(out_dir, args.reps, args.report_only)
+        (out_dir / "cluster.md").write_text(text)
+        print(text)
+        return
     reports, level_reports = {}, {}
     for i, (controller, np, sets) in enumerate(RUNS):
         path = out_dir / f"{controller}-np{np}-{sets}.json"
@@ -179,10 +314,11 @@ def main() -> None:
                 if path.exists():
                     level_reports[(controller, 4, sets, round_)] = json.loads(path.read_text())
     text = report(reports, level_reports)
-    (out_dir / "bench.md").write_text(text)
     chart(reports, out_dir / "bench.png")
+    text += cluster_section(out_dir, args.reps, args.report_only)
+    (out_dir / "bench.md").write_text(text)
     print(text)
-    print(f"wrote {out_dir / 'bench.md'} and {out_dir / 'bench.png'}")
+    print(f"wrote {out_dir / 'bench.md'}, {out_dir / 'bench.png'} and {out_dir / 'cluster.png'}")
 
 
 if __name__ == "__main__":

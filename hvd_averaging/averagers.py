@@ -13,14 +13,19 @@ from typing import Any, Mapping, Optional
 
 import horovod.torch as hvd
 
-from .communication import (TensorsLike, average_tensors, collect_parameters, floating_buffers,
-                            forget_layout_agreements)
+from .communication import (DelayedAverage, TensorsLike, average_tensors, collect_parameters,
+                            compression_name, floating_buffers, forget_layout_agreements,
+                            prepare_process_set, start_delayed_average, wire_is_fp16)
 from .runtime import (check_same_on_all_ranks, elastic_job, forget_process_sets, members,
-                      rank_to_node, register_groups, registered_process_sets)
+                      process_set as registered_set, rank_to_node, register_groups,
+                      registered_process_sets)
 from .schedule import (
+    check_delay,
     check_period,
     check_warmup_steps,
     hierarchical_period,
+    level_delays,
+    level_values,
     normalize_hierarchy,
     periodic_fires,
 )
@@ -63,6 +68,13 @@ class ModelAverager(ABC):
         # The world the sets were made for; None until the first firing step of an elastic job,
         # where construction must not be collective (see _agree_and_register).
         self._world: Optional[int] = None
+        # Rounds in flight (delay > 0) by level period, with the step each is applied at; and
+        # rounds read from a checkpoint, restarted at the next call.
+        self._in_flight: dict[int, tuple[int, DelayedAverage]] = {}
+        self._to_restart: dict[int, dict] = {}
+        self._delay_buffers: dict[int, dict] = {}
+        self._delays: dict[int, int] = {}
+        self._fp16: dict[int, bool] = {}
 
     def _agree_and_register(self, local_error: Optional[BaseException] = None) -> None:
         """Check the configuration across ranks and register this averager's process sets
@@ -94,10 +106,17 @@ class ModelAverager(ABC):
         if self._world is not None:
             forget_process_sets()
             forget_layout_agreements()
+            self._in_flight.clear()  # their collectives died with the old world
+            self._to_restart.clear()
             self._rebuild_for_world()
         self._agree()
         self._register_sets()
         self._world = hvd.size()
+
+    @property
+    def level_delays(self) -> dict[int, int]:
+        """``{period: delay}`` of every level (0: averaged at its firing step)."""
+        return dict(self._delays)
 
     @abstractmethod
     def average_parameters(self, params: TensorsLike, *, buffers=None) -> None:
@@ -124,13 +143,69 @@ class ModelAverager(ABC):
     def _process_sets(self) -> list:
         return [self.process_set]
 
-    def _average(self, params: TensorsLike, buffers, process_set: hvd.ProcessSet) -> None:
-        average_tensors(self._tensors(params, buffers), process_set, check_finite=self.check_finite,
-                        context=f"{type(self).__name__} step {self.step}")
+    def _prepare_sets(self, groups_per_level: list[list[list[int]]]) -> None:
+        """Let every group of these levels average node-aware where it spans nodes (collective:
+        every rank prepares every group, in the same order)."""
+        parent = members(self.process_set)
+        for groups in groups_per_level:
+            for group in groups:
+                prepare_process_set(self.process_set if group == parent else registered_set(group))
+
+    def _average(self, params: TensorsLike, buffers, process_set: hvd.ProcessSet, level: int) -> None:
+        """Average now at ``level`` (a period), or start a round left in flight if it is delayed."""
+        context = f"{type(self).__name__} step {self.step}"
+        compression = hvd.Compression.fp16 if self._fp16.get(level) else None
+        if not self._delays.get(level):
+            average_tensors(self._tensors(params, buffers), process_set,
+                            check_finite=self.check_finite, context=context,
+                            compression=compression)
+            return
+        self._start_delayed(params, buffers, process_set, level, self.step, None)
+
+    def _start_delayed(self, params, buffers, process_set, level: int, fired_at: int,
+                       saved: Optional[dict]) -> None:
+        context = f"{type(self).__name__} step {fired_at} (delay {self._delays[level]})"
+        round_ = start_delayed_average(
+            self._tensors(params, buffers), process_set, op_tag=f".delayed{level}",
+            buffers=self._delay_buffers.setdefault(level, {}), check_finite=self.check_finite,
+            context=context, compression=hvd.Compression.fp16 if self._fp16.get(level) else None,
+            snapshots=None if saved is None else saved["snapshots"],
+            snapshot_layout=None if saved is None else saved["layout"])
+        if round_ is not None:
+            self._in_flight[level] = (fired_at + self._delays[level], round_)
+
+    def _rounds_in_flight(self, params: TensorsLike, buffers) -> None:
+        """Restart rounds read from a checkpoint, apply those due at this step, keep the others
+        moving (a poll each: no waiting)."""
+        for level, saved in sorted(self._to_restart.items()):
+            del self._to_restart[level]
+            process_set = self._level_set(level)
+            if process_set is not None:
+                self._start_delayed(params, buffers, process_set, level, saved["fired_at"], saved)
+        for level, (apply_at, round_) in sorted(self._in_flight.items()):
+            if self.step >= apply_at:
+                del self._in_flight[level]
+                round_.apply()
+            else:
+                round_.progress()
+
+    def _level_set(self, level: int) -> Optional[hvd.ProcessSet]:
+        """This rank's set at ``level`` (None: this rank does not average there)."""
+        return self.process_set if self.process_set.included() else None
 
     def state_dict(self) -> dict[str, Any]:
-        """The averager's resumable state: ``step`` and the configuration it applies to."""
-        return {"step": self.step, "config": self._config()}
+        """The averager's resumable state: ``step``, the configuration it applies to and, while a
+        delayed round is in flight, its snapshot (``in_flight``: fired step, layout digest,
+        one tensor per dtype). Loading it restarts that round from the same snapshot, so the
+        run goes on exactly as if uninterrupted."""
+        state: dict[str, Any] = {"step": self.step, "config": self._config()}
+        in_flight = {level: {"fired_at": apply_at - self._delays[level], "layout": r.layout_digest,
+                             "snapshots": r.snapshots()}
+                     for level, (apply_at, r) in self._in_flight.items()}
+        in_flight.update(self._to_restart)
+        if in_flight:
+            state["in_flight"] = in_flight
+        return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore ``step`` from :meth:`state_dict` (collective: every rank must call it).
@@ -156,7 +231,27 @@ class ModelAverager(ABC):
                 UserWarning,
                 stacklevel=2,
             )
+        for _, round_ in self._in_flight.values():
+            round_.finish_without_applying()
+        self._in_flight.clear()
+        self._to_restart = self._checked_in_flight(state_dict.get("in_flight") or {}, step)
         self.step = step
+
+    def _checked_in_flight(self, in_flight, step: int) -> dict[int, dict]:
+        """The checkpoint's in-flight rounds, if they fit this averager's delays and ``step``
+        (the same on every rank: checked by the step agreement before)."""
+        if not isinstance(in_flight, Mapping):
+            raise ValueError(f"state_dict['in_flight'] must be a dict, got {type(in_flight).__name__}")
+        checked = {}
+        for level, saved in in_flight.items():
+            delay = self._delays.get(level, 0)
+            fired_at = saved.get("fired_at") if isinstance(saved, Mapping) else None
+            if not delay or not isinstance(fired_at, int) or not fired_at < step <= fired_at + delay:
+                raise ValueError(
+                    f"state_dict['in_flight'][{level!r}] (fired at {fired_at!r}) does not fit this "
+                    f"averager at step {step} (delays per level {self._delays})")
+            checked[level] = dict(saved)
+        return checked
 
     def _rebuild_for_world(self) -> None:
         """Fit this averager's levels to the world after Horovod was re-initialized (an elastic
@@ -179,15 +274,29 @@ class PeriodicModelAverager(ModelAverager):
     With gradient allreduce during warm-up this is `post-local SGD
     <https://arxiv.org/abs/1808.07217>`_ (see :class:`hvd_averaging.PostLocalSGD`).
 
+    Across nodes with several ranks each the set averages node-aware (reduce inside each node,
+    cross the link with one model per node, gather inside the node), chosen automatically.
+
     Args:
         period (int): steps between two averagings, >= 1 (1 only warns: then gradient allreduce
             with ``hvd.DistributedOptimizer`` is cheaper).
         warmup_steps (int): steps before the first averaging, >= 0.
         process_set: the set that averages (default: all ranks).
+        delay (int): ``0 <= delay < period``. With ``delay > 0`` (`Streaming DiLoCo
+            <https://arxiv.org/abs/2501.18512>`_'s overlap, torchft's ``fragment_sync_delay``)
+            a firing step ``s`` snapshots the parameters and starts averaging the snapshot
+            without waiting; training goes on, and at step ``s + delay`` the parameters become
+            ``average(snapshot) + (parameters - snapshot)``: the models' average at ``s`` plus
+            the local progress since. The steps in between only poll (the averaging moves on
+            Horovod's background thread). Extra memory while in flight: the snapshot and the
+            buffer the average arrives in.
+        compression: ``hvd.Compression.fp16`` sends float16 on the wire (half the bytes),
+            scaled so that nothing overflows; parameters keep their dtype (error bound in
+            :mod:`hvd_averaging.transports.fp16_wire`). Default: none.
 
     Raises:
-        ValueError: bad ``period`` or ``warmup_steps`` (on every rank: ranks with good values
-            raise ``RuntimeError`` naming the bad ones).
+        ValueError: bad ``period``, ``warmup_steps``, ``delay`` or ``compression`` (on every
+            rank: ranks with good values raise ``RuntimeError`` naming the bad ones).
         RuntimeError: ranks passed different arguments.
 
     Example::
@@ -204,20 +313,33 @@ class PeriodicModelAverager(ModelAverager):
     """
 
     def __init__(self, period: int, warmup_steps: int = 0,
-                 process_set: Optional[hvd.ProcessSet] = None, *, check_finite: bool = False):
+                 process_set: Optional[hvd.ProcessSet] = None, *, delay: int = 0,
+                 compression=None, check_finite: bool = False):
         super().__init__(process_set, check_finite=check_finite)
         error = None
         try:
             check_period(period, stacklevel=3)
             check_warmup_steps(warmup_steps)
+            check_delay(delay, period)
+            fp16 = wire_is_fp16(compression)
         except ValueError as e:
             error = e
         self.period = period
         self.warmup_steps = warmup_steps
+        self.delay = delay
+        self.compression = compression
+        if error is None:
+            self._delays = {period: delay}
+            self._fp16 = {period: fp16}
         self._agree_and_register(error)
 
     def _config(self) -> dict[str, Any]:
-        return {"period": self.period, "warmup_steps": self.warmup_steps, **super()._config()}
+        return {"period": self.period, "warmup_steps": self.warmup_steps, "delay": self.delay,
+                "compression": compression_name(self.compression) if self._fp16 else repr(self.compression),
+                **super()._config()}
+
+    def _register_sets(self) -> None:
+        self._prepare_sets([[members(self.process_set)]])
 
     def average_parameters(self, params: TensorsLike, *, buffers=None) -> None:
         """Average ``params`` over the process set if this step is scheduled; advance ``step``.
@@ -228,9 +350,11 @@ class PeriodicModelAverager(ModelAverager):
             buffers: optional ``model.buffers()``; its floating-point tensors (BatchNorm
                 running statistics) are averaged at the same moments, in the same collective.
         """
+        if self._in_flight or self._to_restart:
+            self._rounds_in_flight(params, buffers)
         if periodic_fires(self.step, self.period, self.warmup_steps):
             self._follow_world()
-            self._average(params, buffers, self.process_set)
+            self._average(params, buffers, self.process_set, self.period)
         self.step += 1
 
 
@@ -253,6 +377,12 @@ class HierarchicalModelAverager(ModelAverager):
             size, and the largest period's size must be the process set size.
         warmup_steps (int): steps before the first averaging, >= 0.
         process_set: the set that averages (default: all ranks).
+        delay: an int delays the top level (across nodes) as in :class:`PeriodicModelAverager`;
+            ``{period: delay}`` delays the levels named, each ``< period``. A delayed level's
+            round stays in flight while lower levels average as scheduled; at its apply step it
+            adds ``average(snapshot) - snapshot`` to the parameters. Default 0.
+        compression: ``hvd.Compression.fp16`` for every level, or ``{period: compression}`` for
+            the levels named (e.g. only the top level, the one that crosses the link).
 
     Attributes:
         period_process_set_dict: ``period -> hvd.ProcessSet`` of this rank's group at that
@@ -273,7 +403,7 @@ class HierarchicalModelAverager(ModelAverager):
 
     def __init__(self, period_group_size_dict: Optional[Mapping[int, int]] = None,
                  warmup_steps: int = 0, process_set: Optional[hvd.ProcessSet] = None, *,
-                 check_finite: bool = False):
+                 delay=0, compression=None, check_finite: bool = False):
         super().__init__(process_set, check_finite=check_finite)
         set_ranks = members(self.process_set)
         error = None
@@ -281,6 +411,10 @@ class HierarchicalModelAverager(ModelAverager):
         try:
             hierarchy = normalize_hierarchy(period_group_size_dict, len(set_ranks), stacklevel=3)
             check_warmup_steps(warmup_steps)
+            periods = list(hierarchy)
+            self._delays = level_delays(delay, periods)
+            self._fp16 = {p: wire_is_fp16(c)
+                          for p, c in level_values(compression, periods, "compression", None).items()}
         except ValueError as e:
             error = e
         self.warmup_steps = warmup_steps
@@ -302,6 +436,10 @@ class HierarchicalModelAverager(ModelAverager):
             mine = register_groups(self.process_set, groups)
             if mine is not None:
                 self.period_process_set_dict[period] = mine
+        self._prepare_sets(levels)
+
+    def _level_set(self, level: int) -> Optional[hvd.ProcessSet]:
+        return self.period_process_set_dict.get(level)
 
     def _rebuild_for_world(self) -> None:
         """After an elastic reset: the largest level becomes the new world, the smaller levels
@@ -325,7 +463,9 @@ class HierarchicalModelAverager(ModelAverager):
 
     def _config(self) -> dict[str, Any]:
         return {"period_group_size_dict": self.period_group_size_dict,
-                "warmup_steps": self.warmup_steps, **super()._config()}
+                "warmup_steps": self.warmup_steps, "delays": self._delays,
+                "compression": {p: "fp16" if f else "none" for p, f in self._fp16.items()},
+                **super()._config()}
 
     def average_parameters(self, params: TensorsLike, *, buffers=None) -> None:
         """Average ``params`` in this rank's group of the level scheduled now; advance ``step``.
@@ -336,9 +476,11 @@ class HierarchicalModelAverager(ModelAverager):
             buffers: optional ``model.buffers()``; its floating-point tensors are averaged at
                 the same moments, in the same collective.
         """
+        if self._in_flight or self._to_restart:
+            self._rounds_in_flight(params, buffers)
         period = hierarchical_period(self.step, self._periods, self.warmup_steps)
         if period is not None:
             self._follow_world()
         if period is not None and period in self.period_process_set_dict:
-            self._average(params, buffers, self.period_process_set_dict[period])
+            self._average(params, buffers, self.period_process_set_dict[period], period)
         self.step += 1

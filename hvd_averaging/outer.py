@@ -63,6 +63,7 @@ class DiLoCo(PostLocalSGDOptimizer):
     Raises:
         TypeError: ``optim``, ``averager`` or ``outer_optimizer`` is of the wrong kind (on every
             rank alike: construction talks to no other rank).
+        ValueError: the averager's top level is delayed (``delay > 0``).
 
     Example::
 
@@ -85,6 +86,11 @@ class DiLoCo(PostLocalSGDOptimizer):
         if not isinstance(averager, (PeriodicModelAverager, HierarchicalModelAverager)):
             raise TypeError("DiLoCo needs a PeriodicModelAverager or a HierarchicalModelAverager "
                             f"(its top level gets the outer step), got {type(averager).__name__}")
+        top_delay = averager.level_delays.get(max(averager.level_delays, default=0), 0)
+        if top_delay:
+            raise ValueError(f"DiLoCo with an averager whose top level has delay={top_delay}: the "
+                             "outer step on a round left in flight is not supported; use delay=0 "
+                             "for the top level (lower levels may be delayed)")
         make_outer = outer_optimizer if outer_optimizer is not None else default_outer_optimizer
         if not callable(make_outer):
             raise TypeError("outer_optimizer must be a callable params -> torch.optim.Optimizer, "

@@ -44,6 +44,7 @@ __all__ = [
     "exit_after_timeout",
     "EXIT_CODE_AFTER_TIMEOUT",
     "bounded_collective",
+    "guarded_enqueue",
     "CollectiveRound",
     "AveragingTimeoutError",
 ]
@@ -288,11 +289,27 @@ def _stuck_grace(limit: float) -> float:
 class CollectiveRound:
     """One bounded collective: enqueue inside :func:`bounded_collective`, then :meth:`wait`."""
 
-    def __init__(self, what: str, limit: float, nbytes: int):
+    def __init__(self, what: str, limit: float, nbytes: int, started_at: Optional[float] = None):
         self.what = what
         self.limit = limit
         self.nbytes = nbytes
-        self.deadline = time.monotonic() + limit
+        self.deadline = (time.monotonic() if started_at is None else started_at) + limit
+
+    def drive(self, transfers: list) -> None:
+        """Advance every transfer (objects with ``advance() -> bool``, e.g.
+        :class:`hvd_averaging.transports.Transfer`) until all are complete, giving up at the
+        round's deadline; pauses between polls as in :meth:`wait`.
+
+        Raises:
+            AveragingTimeoutError: not done in time.
+            HorovodInternalError: Horovod failed or shut down (named by the transfer).
+        """
+        pause = 5e-5
+        while not all([t.advance() for t in transfers]):
+            if time.monotonic() > self.deadline:
+                raise AveragingTimeoutError(self._timeout_message())
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
 
     def wait(self, handles: list) -> list:
         """``hvd.synchronize`` every handle, but give up at the round's deadline.
@@ -335,29 +352,51 @@ class CollectiveRound:
                 "HVA_TIMEOUT_SECONDS or hva.set_timeout() if ranks may be this far apart)." + rate)
 
 
+def _stuck_message(what: str, stuck_after: float, limit: float) -> str:
+    return (f"hvd_averaging watchdog: rank {hvd.rank()} (pid {os.getpid()}, host "
+            f"{socket.gethostname()}): {what} is still blocked inside Horovod {stuck_after:g} s after "
+            "it started, where the library's own timeout cannot act (Horovod's background thread is "
+            "stuck in a collective: a rank, a node or the link between nodes is gone, or the link is "
+            f"too slow for HVA_TIMEOUT_SECONDS={limit:g}). Ending this process so that the launcher "
+            "sees the rank end. If the link is only slow, raise HVA_TIMEOUT_SECONDS or "
+            "hva.set_timeout().")
+
+
 @contextmanager
-def bounded_collective(what: str, nbytes: int = 0) -> Iterator[CollectiveRound]:
+def guarded_enqueue(what: str) -> Iterator[None]:
+    """Launch collectives whose wait comes later (a round left in flight while training goes
+    on): only the enqueue is bounded here, by the watchdog, since Horovod may block it (its
+    process-set lock during dynamic-set coordination); :func:`bounded_collective` with
+    ``started_at`` bounds the wait."""
+    limit = timeout()
+    stuck_after = limit + _stuck_grace(limit)
+    _WATCHDOG.arm(stuck_after, _stuck_message(what, stuck_after, limit))
+    try:
+        yield
+    finally:
+        _WATCHDOG.disarm()
+
+
+@contextmanager
+def bounded_collective(what: str, nbytes: int = 0,
+                       started_at: Optional[float] = None) -> Iterator[CollectiveRound]:
     """Bound one collective of this library, enqueue included.
 
-    Polling (:meth:`CollectiveRound.wait`) raises :class:`AveragingTimeoutError` after
-    :func:`timeout` seconds. Where polling cannot run (the enqueue itself blocked inside
-    Horovod), the watchdog ends this process a little later, naming ``what``. After a timeout
-    the process has :func:`exit_after_timeout` seconds left (an ``except`` block may save a
-    checkpoint), then the watchdog ends it; at a normal exit it skips Horovod's shutdown.
+    Polling (:meth:`CollectiveRound.wait` or :meth:`~CollectiveRound.drive`) raises
+    :class:`AveragingTimeoutError` after :func:`timeout` seconds, counted from ``started_at``
+    (a ``time.monotonic()`` value: when a round left in flight was launched) or from now.
+    Where polling cannot run (the enqueue itself blocked inside Horovod), the watchdog ends
+    this process a little later, naming ``what``. After a timeout the process has
+    :func:`exit_after_timeout` seconds left (an ``except`` block may save a checkpoint), then
+    the watchdog ends it; at a normal exit it skips Horovod's shutdown.
     """
     global _ended_by_timeout
     limit = timeout()
-    stuck_after = limit + _stuck_grace(limit)
-    _WATCHDOG.arm(stuck_after, (
-        f"hvd_averaging watchdog: rank {hvd.rank()} (pid {os.getpid()}, host "
-        f"{socket.gethostname()}): {what} is still blocked inside Horovod {stuck_after:g} s after "
-        "it started, where the library's own timeout cannot act (Horovod's background thread is "
-        "stuck in a collective: a rank, a node or the link between nodes is gone, or the link is "
-        f"too slow for HVA_TIMEOUT_SECONDS={limit:g}). Ending this process so that the launcher "
-        "sees the rank end. If the link is only slow, raise HVA_TIMEOUT_SECONDS or "
-        "hva.set_timeout()."))
+    remaining = limit if started_at is None else max(0.0, started_at + limit - time.monotonic())
+    stuck_after = remaining + _stuck_grace(limit)
+    _WATCHDOG.arm(stuck_after, _stuck_message(what, stuck_after, limit))
     try:
-        yield CollectiveRound(what, limit, nbytes)
+        yield CollectiveRound(what, limit, nbytes, started_at)
     except AveragingTimeoutError:
         grace = exit_after_timeout()
         if grace is None:

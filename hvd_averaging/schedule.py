@@ -16,6 +16,9 @@ __all__ = [
     "normalize_hierarchy",
     "periodic_fires",
     "hierarchical_period",
+    "check_delay",
+    "level_delays",
+    "level_values",
 ]
 
 
@@ -153,3 +156,64 @@ def hierarchical_period(step: int, periods_ascending, warmup_steps: int) -> Opti
         if step % period == 0:
             return period
     return None
+
+
+def check_delay(delay, period: int) -> int:
+    """Return ``delay`` if it is an integer with ``0 <= delay < period``, else raise ``ValueError``.
+
+    A round started at a firing step ``s`` is applied at ``s + delay``; the level's next firing
+    step is ``s + period`` at the earliest, so one round per level is in flight at a time.
+    """
+    if not _is_int(delay):
+        raise ValueError(f"delay must be an integer number of steps, got {delay!r} ({type(delay).__name__})")
+    if delay < 0:
+        raise ValueError(f"delay must be >= 0, got {delay}")
+    if delay >= period:
+        raise ValueError(
+            f"delay {delay} must be smaller than the period {period}: a round started at a firing "
+            "step is applied `delay` steps later, before the level fires again")
+    return delay
+
+
+def level_values(value, periods, name: str, default) -> dict:
+    """Per-level settings of a hierarchy: one value for every level, or ``{period: value}``
+    (levels not named get ``default``).
+
+    Raises:
+        ValueError: a key is not one of ``periods``.
+
+    Example::
+
+        >>> level_values({8: "fp16"}, [2, 8], "compression", None)
+        {2: None, 8: 'fp16'}
+    """
+    if isinstance(value, Mapping):
+        unknown = [p for p in value if p not in periods]
+        if unknown:
+            raise ValueError(f"{name} names period(s) {unknown} that are not levels of the "
+                             f"hierarchy (periods {list(periods)})")
+        return {p: value.get(p, default) for p in periods}
+    return {p: value for p in periods}
+
+
+def level_delays(delay, periods) -> dict[int, int]:
+    """``delay`` of a hierarchy per level: an integer delays the top level (the largest period,
+    the one across nodes), ``{period: delay}`` the levels named. Each must fit its period
+    (:func:`check_delay`).
+
+    Example::
+
+        >>> level_delays(3, [2, 8])
+        {2: 0, 8: 3}
+    """
+    if isinstance(delay, Mapping):
+        delays = level_values(delay, periods, "delay", 0)
+    else:
+        delays = {p: 0 for p in periods}
+        delays[periods[-1]] = delay
+    for period, value in delays.items():
+        try:
+            check_delay(value, period)
+        except ValueError as error:
+            raise ValueError(f"level with period {period}: {error}") from None
+    return delays

@@ -14,7 +14,7 @@ node would send the "cheap" intra-node level over the network, which defeats hie
 
 from __future__ import annotations
 
-from typing import Hashable, Sequence
+from typing import Hashable, NamedTuple, Optional, Sequence
 
 __all__ = [
     "node_major_order",
@@ -22,6 +22,8 @@ __all__ = [
     "group_of",
     "hierarchy_groups",
     "static_groups",
+    "NodeAwareGroups",
+    "node_aware_groups",
 ]
 
 
@@ -149,8 +151,10 @@ def hierarchy_groups(
 def static_groups(rank_to_node: Sequence[Hashable], group_sizes: Sequence[int]) -> list[list[int]]:
     """Every group of every level, once, for registering at start-up (``hvd.init(process_sets=...)``).
 
-    The world itself is left out (Horovod's global process set is always there); a group that
-    two levels share appears once; the order (level by level, groups in node-major order) is a
+    After the levels' groups come the node groups and rails (:func:`node_aware_groups`) of every
+    set that spans several nodes with more than one rank on each (the world included), so that
+    those sets average node-aware without dynamic process sets. The world itself is left out
+    (Horovod's global process set is always there); a group listed twice appears once; the order (level by level, groups in node-major order) is a
     function of the arguments only, so every rank computes the same list.
 
     Raises:
@@ -168,6 +172,59 @@ def static_groups(rank_to_node: Sequence[Hashable], group_sizes: Sequence[int]) 
         raise ValueError("group_sizes is empty: give the group size of every level, e.g. [2, 8]")
     world = list(range(len(rank_to_node)))
     levels = hierarchy_groups(world, rank_to_node, group_sizes)
+    groups = [group for level in levels for group in level]
+    # Then the node groups and rails of every set that averages node-aware across nodes (the
+    # world, and each level's groups that span several nodes), so that it can without dynamic sets.
+    for spanning in [world] + groups:
+        staged = node_aware_groups(spanning, rank_to_node)
+        if staged is not None:
+            groups += staged.nodes + staged.rails
     # dict keys: first occurrence kept, order kept
-    unique = dict.fromkeys(tuple(group) for level in levels for group in level if group != world)
+    unique = dict.fromkeys(tuple(group) for group in groups if group != world)
     return [list(group) for group in unique]
+
+
+class NodeAwareGroups(NamedTuple):
+    """How one set of ranks averages in stages across nodes (see :func:`node_aware_groups`).
+
+    Attributes:
+        nodes: the set's ranks on each node (one group per node, node-major order).
+        rails: ``rails[i]`` holds the ``i``-th rank of every node (one group per local position).
+    """
+
+    nodes: list[list[int]]
+    rails: list[list[int]]
+
+
+def node_aware_groups(members: Sequence[int],
+                      rank_to_node: Sequence[Hashable]) -> Optional[NodeAwareGroups]:
+    """The node groups and rails for averaging ``members`` node by node, or None when that
+    cannot beat one flat allreduce.
+
+    Averaging node-aware reduces inside each node, then each rank crosses the link with only its
+    share (1/ranks-per-node of the buffer) among the ranks of the same local position on the
+    other nodes (its *rail*), then gathers inside the node: each node receives one model's worth
+    of bytes instead of one per rank. That needs at least two nodes, more than one of the set's
+    ranks on each, and the same number on every node (rails must line up).
+
+    Args:
+        members: the set's global ranks.
+        rank_to_node: node of every global rank.
+
+    Example::
+
+        >>> node_aware_groups([0, 1, 2, 3], ["a", "a", "b", "b"])
+        NodeAwareGroups(nodes=[[0, 1], [2, 3]], rails=[[0, 2], [1, 3]])
+        >>> node_aware_groups([0, 1, 2, 3], ["a"] * 4) is None  # one node: flat is best
+        True
+    """
+    by_node: dict[Hashable, list[int]] = {}
+    for rank in sorted(members):
+        by_node.setdefault(rank_to_node[rank], []).append(rank)
+    nodes = list(by_node.values())
+    sizes = {len(group) for group in nodes}
+    if len(nodes) < 2 or len(sizes) != 1 or sizes == {1}:
+        return None
+    per_node = len(nodes[0])
+    rails = [[group[i] for group in nodes] for i in range(per_node)]
+    return NodeAwareGroups(nodes, rails)

@@ -3,7 +3,8 @@ import itertools
 
 import pytest
 
-from hvd_averaging.topology import group_of, hierarchy_groups, level_groups, node_major_order, static_groups
+from hvd_averaging.topology import (group_of, hierarchy_groups, level_groups, node_aware_groups,
+                                    node_major_order, static_groups)
 
 
 def contiguous(world, size):
@@ -101,13 +102,14 @@ def test_static_groups_one_node_two_levels():
 
 
 def test_static_groups_round_robin_placement_keeps_pairs_in_nodes():
-    assert static_groups(["a", "b"] * 2, [2]) == [[0, 2], [1, 3]]
+    # pairs (each a node), then the world's rails (its node groups are the pairs)
+    assert static_groups(["a", "b"] * 2, [2]) == [[0, 2], [1, 3], [0, 1], [2, 3]]
 
 
 def test_static_groups_leaves_out_the_world_and_repeats():
     assert static_groups(["a"] * 4, [4]) == []
     assert static_groups(["a"] * 4, [2, 2, 4]) == [[0, 1], [2, 3]]
-    assert static_groups(["a", "a", "b", "b"], [2, 4]) == [[0, 1], [2, 3]]
+    assert static_groups(["a", "a", "b", "b"], [2, 4]) == [[0, 1], [2, 3], [0, 2], [1, 3]]
 
 
 @pytest.mark.parametrize("group_sizes, match", [
@@ -127,3 +129,31 @@ def test_static_groups_bad_sizes(group_sizes, match):
 def test_static_groups_straddling_a_node_is_refused():
     with pytest.raises(ValueError, match="does not fit the placement"):
         static_groups(["a", "a", "a", "b", "b", "b"], [2])
+
+
+# --- node_aware_groups: node groups and rails for averaging across nodes in stages ---
+
+def test_node_aware_groups_block_and_round_robin():
+    assert node_aware_groups(range(4), ["a", "a", "b", "b"]) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+    assert node_aware_groups(range(4), ["a", "b", "a", "b"]) == ([[0, 2], [1, 3]], [[0, 1], [2, 3]])
+    assert node_aware_groups(range(8), list("aaaabbbb")).rails == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert node_aware_groups(range(6), list("aabbcc")).rails == [[0, 2, 4], [1, 3, 5]]
+
+
+def test_node_aware_groups_of_a_subset_use_its_members_only():
+    # members 4..7 of an 8-rank world on nodes c and d
+    assert node_aware_groups([4, 5, 6, 7], list("aabbccdd")) == ([[4, 5], [6, 7]], [[4, 6], [5, 7]])
+
+
+@pytest.mark.parametrize("placement", [["a"] * 4, ["a", "b"], list("aaab"), list("aabbb"), ["a"]])
+def test_node_aware_groups_none_where_flat_is_as_good_or_rails_cannot_line_up(placement):
+    assert node_aware_groups(range(len(placement)), placement) is None
+
+
+def test_static_groups_register_rails_of_spanning_levels():
+    # 3 levels on 2 nodes x 4: pairs, nodes, world; the world's node groups are a level already
+    assert static_groups(list("aaaabbbb"), [2, 4]) == [
+        [0, 1], [2, 3], [4, 5], [6, 7], [0, 1, 2, 3], [4, 5, 6, 7], [0, 4], [1, 5], [2, 6], [3, 7]]
+    # a level of 2 nodes out of 4 gets its own rails
+    groups = static_groups(list("aabbccdd"), [4])
+    assert [0, 2] in groups and [1, 3] in groups and [4, 6] in groups and [0, 1] in groups

@@ -1,0 +1,186 @@
+"""Global averaging across emulated nodes, side by side in one run: Horovod's flat allreduce,
+hvd_averaging flat, node-aware, float16 on the wire; and training with averaging overlapped
+(``delay``) against training with none. Launched on the emulated cluster by ``bench/run.py``:
+
+    python tools/cluster.py --nodes 2 --rate-mbit 200 -- horovodrun --mpi -np 4 -H {hosts:2} \\
+        --network-interface eth0 python bench/bench_cluster.py --out results/bench/cluster.json
+
+Every timed repetition starts after a barrier; its time is the slowest rank's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import horovod.torch as hvd
+import torch
+
+import hvd_averaging as hva
+from hvd_averaging.communication import average_tensors, averaging_route
+from hvd_averaging.runtime import rank_to_node
+
+HOROVOD_FLAT = "Horovod allreduce_ of one flat buffer"
+HVA_FLAT = "hva, flat (one allreduce)"
+HVA_NODE_AWARE = "hva, node-aware"
+HVA_NODE_AWARE_FP16 = "hva, node-aware, fp16 wire"
+HVA_FLAT_FP16 = "hva, flat, fp16 wire"
+INTRA_NODE = "hva inside one node (reference)"
+
+
+def make_params(total_mb: float, tensors: int, seed: int) -> list[torch.nn.Parameter]:
+    numel = int(total_mb * 2 ** 20 / 4 / tensors)
+    g = torch.Generator().manual_seed(seed)
+    params = []
+    for _ in range(tensors):
+        p = torch.nn.Parameter(torch.randn(numel, generator=g))
+        p.grad = torch.zeros_like(p)
+        params.append(p)
+    return params
+
+
+def slowest(seconds: float, tag: str) -> float:
+    return float(hvd.allreduce(torch.tensor([seconds], dtype=torch.float64), op=hvd.Max,
+                               name=f"bench.time.{tag}"))
+
+
+def timed(methods: dict, reps: int) -> dict:
+    for fn in methods.values():
+        fn()  # warm-up: packing, layout agreement, process sets, response cache
+    times = {label: [] for label in methods}
+    for rep in range(reps):
+        for i, (label, fn) in enumerate(methods.items()):
+            hvd.barrier()
+            start = time.perf_counter()
+            fn()
+            times[label].append(slowest(time.perf_counter() - start, f"{rep}.{i}"))
+    return {label: {"min_s": min(t), "median_s": statistics.median(t), "all_s": t}
+            for label, t in times.items()}
+
+
+class Compute:
+    """A fixed amount of work per training step (matrix products on one thread)."""
+
+    def __init__(self, seconds: float):
+        self.a = torch.randn(256, 256)
+        self.iterations = 1
+        start = time.perf_counter()
+        self.run()
+        per_iteration = time.perf_counter() - start
+        self.iterations = max(1, round(seconds / per_iteration))
+        # the same work on every rank: agree on the iteration count
+        self.iterations = int(hvd.allreduce(torch.tensor([self.iterations]), op=hvd.Min,
+                                            name="bench.compute"))
+
+    def run(self) -> None:
+        x = self.a
+        for _ in range(self.iterations):
+            x = torch.tanh(x @ self.a) * 0.5
+
+
+def training(averager, params, compute: Compute, steps: int, tag: str) -> dict:
+    """Seconds per step (slowest rank) and the cost of average_parameters on the steps that
+    only keep a round moving."""
+    call_us = []
+    hvd.barrier()
+    start = time.perf_counter()
+    for step in range(steps):
+        compute.run()
+        if averager is not None:
+            t0 = time.perf_counter()
+            averager.average_parameters(params)
+            call_us.append((step, (time.perf_counter() - t0) * 1e6))
+    elapsed = slowest(time.perf_counter() - start, f"train.{tag}")
+    result = {"step_s": elapsed / steps}
+    if averager is not None and getattr(averager, "delay", 0):
+        period, delay = averager.period, averager.delay
+        polling = [us for step, us in call_us if 0 < step % period < delay]
+        result["polling_call_us_median"] = statistics.median(polling)
+        result["polling_call_us_max"] = max(polling)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--mb", type=float, default=16.0)
+    parser.add_argument("--tensors", type=int, default=16)
+    parser.add_argument("--rate-mbit", type=float, required=True)
+    parser.add_argument("--overlap", action="store_true", help="also time training with averaging overlapped")
+    parser.add_argument("--step-ms", type=float, default=120.0)
+    parser.add_argument("--period", type=int, default=16)
+    parser.add_argument("--delay", type=int, default=12)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    hva.init()
+    hva.set_timeout(120)
+    rank, size = hvd.rank(), hvd.size()
+    nodes = rank_to_node()
+    node_count = len(set(nodes))
+    node_ranks = [r for r in range(size) if nodes[r] == nodes[rank]]
+    node_sets = {}
+    for node in dict.fromkeys(nodes):
+        group = [r for r in range(size) if nodes[r] == node]
+        node_sets[node] = hva.process_set(group) if len(group) < size else hvd.global_process_set
+    my_node_set = node_sets[nodes[rank]]
+
+    sets_of_params = {label: make_params(args.mb, args.tensors, seed=rank)
+                      for label in (HVA_FLAT, HVA_NODE_AWARE, HVA_NODE_AWARE_FP16, HVA_FLAT_FP16, INTRA_NODE)}
+    numel = sum(p.numel() for p in sets_of_params[HVA_FLAT])
+    flat = torch.randn(numel)
+    fp16 = hvd.Compression.fp16
+    methods = {
+        HOROVOD_FLAT: lambda: hvd.allreduce_(flat, op=hvd.Average, name="bench.horovod.flat"),
+        HVA_FLAT: lambda: average_tensors(sets_of_params[HVA_FLAT], node_aware=False, name="b.flat"),
+        HVA_NODE_AWARE: lambda: average_tensors(sets_of_params[HVA_NODE_AWARE], name="b.na"),
+        HVA_NODE_AWARE_FP16: lambda: average_tensors(sets_of_params[HVA_NODE_AWARE_FP16],
+                                                     compression=fp16, name="b.na16"),
+        HVA_FLAT_FP16: lambda: average_tensors(sets_of_params[HVA_FLAT_FP16], compression=fp16,
+                                               node_aware=False, name="b.flat16"),
+        INTRA_NODE: lambda: average_tensors(sets_of_params[INTRA_NODE], my_node_set, name="b.node"),
+    }
+    results = timed(methods, args.reps)
+    nbytes = numel * 4
+    # each node must receive 2 (n-1)/n of the buffer (reduce-scatter + allgather between nodes)
+    link_limit_s = 2 * (node_count - 1) / node_count * nbytes * 8 / (args.rate_mbit * 1e6)
+    report = {"ranks": size, "nodes": node_count, "ranks_per_node": len(node_ranks),
+              "controller": "mpi" if hvd.mpi_enabled() else "gloo", "rate_mbit": args.rate_mbit,
+              "bytes": nbytes, "tensors": args.tensors, "link_limit_s": link_limit_s,
+              "route": averaging_route(hvd.global_process_set, nbytes // args.tensors),
+              "cpus": os.cpu_count(), "methods": results}
+
+    if args.overlap:
+        compute = Compute(args.step_ms / 1e3)
+        steps = args.period * 4
+        overlap = {"period": args.period, "delay": args.delay, "steps": steps}
+        params = make_params(args.mb, args.tensors, seed=rank)
+        overlap["no averaging"] = training(None, params, compute, steps, "none")
+        overlap["local SGD, delay 0"] = training(
+            hva.PeriodicModelAverager(args.period), params, compute, steps, "sync")
+        overlap[f"local SGD, delay {args.delay}"] = training(
+            hva.PeriodicModelAverager(args.period, delay=args.delay), params, compute, steps, "delayed")
+        overlap[f"local SGD, delay {args.delay}, fp16 wire"] = training(
+            hva.PeriodicModelAverager(args.period, delay=args.delay, compression=fp16),
+            params, compute, steps, "delayed16")
+        report["overlap"] = overlap
+    if rank == 0:
+        for label, r in results.items():
+            print(f"[{size} ranks, {node_count} nodes] {label}: {r['min_s'] * 1e3:.0f} ms "
+                  f"(median {r['median_s'] * 1e3:.0f}); link limit {link_limit_s * 1e3:.0f} ms", flush=True)
+        for label, r in report.get("overlap", {}).items():
+            if isinstance(r, dict):
+                print(f"[{size} ranks] {label}: {r['step_s'] * 1e3:.1f} ms/step"
+                      + (f", polling calls median {r['polling_call_us_median']:.1f} us, max "
+                         f"{r['polling_call_us_max']:.0f} us" if "polling_call_us_median" in r else ""),
+                      flush=True)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""Which way a process set's averaging rounds travel, and the process sets that way needs.
+
+A set whose ranks sit on several nodes, more than one on each and the same number on every
+node, averages node-aware (:class:`~hvd_averaging.transports.NodeAware`): it needs its node
+groups and rails registered as process sets. Every other set, and every buffer too small for
+four stages to pay off, takes one flat allreduce. The choice is made once per set, from the
+placement every rank shares, so all members take the same way.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import horovod.torch as hvd
+
+from .runtime import elastic_job, known_rank_to_node, members, rank_to_node, register_groups
+from .topology import node_aware_groups
+from .transports import FlatAllreduce, Fp16Wire, NodeAware, Transport
+
+__all__ = ["NODE_AWARE_MIN_BYTES", "NodeAwareSets", "Routes"]
+
+# Below this a round is latency-bound: four stages cost more than they save on the link.
+NODE_AWARE_MIN_BYTES = 1 << 20
+
+
+class NodeAwareSets(NamedTuple):
+    """This rank's node group and rail for one set (see :func:`~hvd_averaging.topology.node_aware_groups`)."""
+
+    node_set: hvd.ProcessSet
+    rail_set: hvd.ProcessSet
+    ranks_per_node: int
+    nodes: int
+
+
+class Routes:
+    """Per process set: whether it spans nodes and, where it can, its node-aware sets; and the
+    transports built on them (each keeps its own buffers). Forget after an elastic reset."""
+
+    def __init__(self) -> None:
+        self._staged: dict[int, Optional[NodeAwareSets]] = {}
+        self._crosses: dict[int, bool] = {}
+        self._transports: dict[tuple, Transport] = {}
+
+    def forget(self) -> None:
+        self._staged.clear()
+        self._crosses.clear()
+        self._transports.clear()
+
+    def _placement(self) -> Optional[list]:
+        known = known_rank_to_node()
+        if known is not None or elastic_job():
+            return known  # a joining worker's collective would be matched by no one
+        return rank_to_node()
+
+    def prepare(self, process_set: hvd.ProcessSet) -> None:
+        """Register ``process_set``'s node groups and rails if it averages node-aware.
+
+        Collective over all ranks (each registers every group), in the same order on every rank;
+        a set prepared before costs nothing. Where the sets cannot be registered (Horovod without
+        dynamic process sets and not registered at start-up) the set stays flat, on every rank
+        alike.
+        """
+        set_id = process_set.process_set_id
+        if set_id in self._staged:
+            return
+        placement = self._placement()
+        ranks = members(process_set)
+        groups = node_aware_groups(ranks, placement) if placement is not None else None
+        staged = None
+        if groups is not None:
+            try:
+                node_set = register_groups(process_set, groups.nodes)
+                rail_set = register_groups(process_set, groups.rails)
+            except RuntimeError:  # not registered, and no dynamic process sets: same on every rank
+                node_set = rail_set = None
+            if node_set is not None and rail_set is not None:
+                staged = NodeAwareSets(node_set, rail_set, len(groups.nodes[0]), len(groups.nodes))
+        self._staged[set_id] = staged
+
+    def node_aware_sets(self, process_set: hvd.ProcessSet) -> Optional[NodeAwareSets]:
+        """The set's node-aware sets, if :meth:`prepare` found any (local)."""
+        return self._staged.get(process_set.process_set_id)
+
+    def crosses_nodes(self, process_set: hvd.ProcessSet) -> bool:
+        """Whether the set's members sit on several nodes (False while the placement is unknown)."""
+        set_id = process_set.process_set_id
+        if set_id not in self._crosses:
+            placement = known_rank_to_node()
+            if placement is None:
+                return False
+            self._crosses[set_id] = len({placement[r] for r in members(process_set)}) > 1
+        return self._crosses[set_id]
+
+    def transport(self, process_set: hvd.ProcessSet, nbytes: int, *, fp16: bool,
+                  node_aware: Optional[bool] = None) -> Transport:
+        """The way a buffer of ``nbytes`` averages over ``process_set``.
+
+        The global set is prepared here on first use (every rank is a member, so every rank
+        calls this); other sets only by :meth:`prepare` (an averager does it at construction).
+        ``node_aware``: None chooses (node-aware for sets that can and buffers of at least
+        ``NODE_AWARE_MIN_BYTES``), False forces flat, True forces node-aware where the set can.
+        """
+        if process_set.process_set_id == hvd.global_process_set.process_set_id:
+            self.prepare(process_set)
+        staged = self.node_aware_sets(process_set)
+        use_staged = staged is not None and (
+            node_aware if node_aware is not None else nbytes >= NODE_AWARE_MIN_BYTES)
+        key = (process_set.process_set_id, fp16, use_staged)
+        found = self._transports.get(key)
+        if found is None:
+            if use_staged:
+                found = NodeAware(staged.node_set, staged.rail_set, staged.ranks_per_node, staged.nodes)
+            else:
+                found = FlatAllreduce(process_set, self.crosses_nodes(process_set))
+            if fp16:
+                found = Fp16Wire(found, process_set, len(members(process_set)))
+            self._transports[key] = found
+        return found

@@ -1,0 +1,66 @@
+"""Averaging across nodes in four stages, so that each node's link carries one model.
+
+A flat allreduce over ranks on several nodes makes every rank's share cross the link: with
+``k`` ranks per node each node receives about ``k`` times what it needs. Here:
+
+1. reduce-scatter inside the node: each of the node's ``k`` ranks holds the node's average of
+   ``1/k`` of the buffer (shared memory or loopback);
+2. reduce-scatter along the rail (the ranks of the same local position on every node) and
+3. allgather along the rail: the ``k`` rails of a node cross the link in parallel, each with
+   ``1/k`` of the buffer, so the node sends and receives ``2 (n-1)/n`` of one buffer in all,
+   the least any averaging across ``n`` nodes can;
+4. allgather inside the node: every rank has the whole average.
+
+Reduce-scatter plus allgather along the rail rather than one allreduce: measured on the emulated
+cluster, OpenMPI's allreduce of one 16 MB buffer between 2 nodes took 1.5x what its
+reduce-scatter plus allgather took. Results equal the flat average up to the order of the float
+additions.
+"""
+
+from __future__ import annotations
+
+import horovod.torch as hvd
+import torch
+
+from .base import Stages, Transport
+
+__all__ = ["NodeAware"]
+
+
+class NodeAware(Transport):
+    """Node-local reduce-scatter, rail reduce-scatter + allgather, node-local allgather.
+
+    Args:
+        node_set: this rank's node group (its set's ranks on this node).
+        rail_set: this rank's rail (the ranks of its local position on every node).
+        ranks_per_node: members of ``node_set``.
+        nodes: members of ``rail_set``.
+    """
+
+    def __init__(self, node_set: hvd.ProcessSet, rail_set: hvd.ProcessSet, ranks_per_node: int,
+                 nodes: int):
+        self.node_set = node_set
+        self.rail_set = rail_set
+        self.ranks_per_node = ranks_per_node
+        self.nodes = nodes
+
+    def stages(self, buffer: torch.Tensor, name: str) -> Stages:
+        # Horovod splits the first dimension as evenly as it can, in member order, and the
+        # allgathers concatenate in the same order, so any length comes back in place.
+        node_share = yield hvd.reducescatter_async(buffer, op=hvd.Average, process_set=self.node_set,
+                                                   name=f"{name}.node_reducescatter")
+        rail_share = yield hvd.reducescatter_async(node_share, op=hvd.Average,
+                                                   process_set=self.rail_set,
+                                                   name=f"{name}.rail_reducescatter")
+        node_share = yield hvd.allgather_async(rail_share, process_set=self.rail_set,
+                                               name=f"{name}.rail_allgather")
+        whole = yield hvd.allgather_async(node_share, process_set=self.node_set,
+                                          name=f"{name}.node_allgather")
+        buffer.copy_(whole)
+        return buffer
+
+    def cross_node_bytes(self, buffer: torch.Tensor) -> int:
+        # payload handed to the rail's collectives: the node share to the reduce-scatter, the
+        # rail share to the allgather
+        node_share = self.wire_bytes(buffer) // self.ranks_per_node
+        return node_share + node_share // self.nodes
