@@ -2,9 +2,10 @@
 
 Layers, each importing only the ones before it:
 ``topology`` (who averages with whom) -> ``runtime`` (Horovod start-up, process sets, placement,
-bounded waits) -> ``flat_storage`` (where averaged tensors live) -> ``communication`` (how
-tensors travel) -> ``averagers`` (when) -> ``optim`` and ``outer`` (training
-integration: post-local SGD, DiLoCo) -> ``examples``.
+bounded waits) -> ``flat_storage`` (where averaged tensors live) -> ``transports`` (how one
+buffer travels: flat, node-aware, float16 on the wire) -> ``routes`` (which way each set takes)
+-> ``communication`` (what every round does) -> ``averagers`` (when) -> ``optim`` and ``outer``
+(training integration: post-local SGD, DiLoCo) -> ``examples``.
 """
 
 from .averagers import HierarchicalModelAverager, ModelAverager, PeriodicModelAverager

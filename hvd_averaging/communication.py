@@ -474,8 +474,9 @@ class DelayedAverage:
                 pass
 
     def progress(self) -> None:
-        """Launch the next stage of every transfer whose current one finished; never waits."""
-        if all(t.done for t in self._transfers):
+        """Launch the next stage of every transfer whose current one finished; never waits.
+        Costs one poll per dtype while stages run; the watchdog is armed only around launches."""
+        if not any([t.ready() for t in self._transfers]):
             return
         try:
             with guarded_enqueue(self.what):

@@ -1,9 +1,11 @@
 """Which way a process set's averaging rounds travel, and the process sets that way needs.
 
-A set whose ranks sit on several nodes, more than one on each and the same number on every
-node, averages node-aware (:class:`~hvd_averaging.transports.NodeAware`): it needs its node
-groups and rails registered as process sets. Every other set, and every buffer too small for
-four stages to pay off, takes one flat allreduce. The choice is made once per set, from the
+A set whose ranks sit on several nodes, the same number on every node, averages node-aware
+(:class:`~hvd_averaging.transports.NodeAware`): it needs its node groups and rails registered
+as process sets (with one rank per node the rail is the set itself: reduce-scatter plus
+allgather across the nodes, which OpenMPI runs faster than its allreduce; under Gloo such a set
+stays flat, Gloo's allreduce being the faster). Every other set, and every buffer too small for
+the stages to pay off, takes one flat allreduce. The choice is made once per set, from the
 placement every rank shares, so all members take the same way.
 """
 
@@ -26,7 +28,7 @@ NODE_AWARE_MIN_BYTES = 1 << 20
 class NodeAwareSets(NamedTuple):
     """This rank's node group and rail for one set (see :func:`~hvd_averaging.topology.node_aware_groups`)."""
 
-    node_set: hvd.ProcessSet
+    node_set: Optional[hvd.ProcessSet]  # None with one rank per node
     rail_set: hvd.ProcessSet
     ranks_per_node: int
     nodes: int
@@ -67,7 +69,12 @@ class Routes:
         ranks = members(process_set)
         groups = node_aware_groups(ranks, placement) if placement is not None else None
         staged = None
-        if groups is not None:
+        if groups is not None and len(groups.nodes[0]) == 1:
+            # One rank per node: the rail is the set, nothing to do inside a node. Worth it over
+            # MPI only (OpenMPI's reduce-scatter + allgather beat its allreduce; Gloo's do not).
+            if hvd.mpi_enabled():
+                staged = NodeAwareSets(None, process_set, 1, len(groups.nodes))
+        elif groups is not None:
             try:
                 node_set = register_groups(process_set, groups.nodes)
                 rail_set = register_groups(process_set, groups.rails)
@@ -109,7 +116,8 @@ class Routes:
         found = self._transports.get(key)
         if found is None:
             if use_staged:
-                found = NodeAware(staged.node_set, staged.rail_set, staged.ranks_per_node, staged.nodes)
+                found = NodeAware(staged.node_set, staged.rail_set, staged.ranks_per_node,
+                                  staged.nodes, rail_allreduce=not hvd.mpi_enabled())
             else:
                 found = FlatAllreduce(process_set, self.crosses_nodes(process_set))
             if fp16:

@@ -175,10 +175,10 @@ def static_groups(rank_to_node: Sequence[Hashable], group_sizes: Sequence[int]) 
     groups = [group for level in levels for group in level]
     # Then the node groups and rails of every set that averages node-aware across nodes (the
     # world, and each level's groups that span several nodes), so that it can without dynamic sets.
-    for spanning in [world] + groups:
+    for spanning in [world] + list(groups):
         staged = node_aware_groups(spanning, rank_to_node)
-        if staged is not None:
-            groups += staged.nodes + staged.rails
+        if staged is not None:  # single-rank node groups need no set (nothing to do in a node)
+            groups += [g for g in staged.nodes + staged.rails if len(g) > 1]
     # dict keys: first occurrence kept, order kept
     unique = dict.fromkeys(tuple(group) for group in groups if group != world)
     return [list(group) for group in unique]
@@ -198,14 +198,15 @@ class NodeAwareGroups(NamedTuple):
 
 def node_aware_groups(members: Sequence[int],
                       rank_to_node: Sequence[Hashable]) -> Optional[NodeAwareGroups]:
-    """The node groups and rails for averaging ``members`` node by node, or None when that
-    cannot beat one flat allreduce.
+    """The node groups and rails for averaging ``members`` node by node, or None when the set
+    does not span nodes evenly.
 
     Averaging node-aware reduces inside each node, then each rank crosses the link with only its
     share (1/ranks-per-node of the buffer) among the ranks of the same local position on the
     other nodes (its *rail*), then gathers inside the node: each node receives one model's worth
-    of bytes instead of one per rank. That needs at least two nodes, more than one of the set's
-    ranks on each, and the same number on every node (rails must line up).
+    of bytes instead of one per rank. That needs at least two nodes and the same number of the
+    set's ranks on every node (rails must line up). With one rank per node the rail is the set
+    itself and the node groups are single ranks (nothing to do inside a node).
 
     Args:
         members: the set's global ranks.
@@ -217,13 +218,15 @@ def node_aware_groups(members: Sequence[int],
         NodeAwareGroups(nodes=[[0, 1], [2, 3]], rails=[[0, 2], [1, 3]])
         >>> node_aware_groups([0, 1, 2, 3], ["a"] * 4) is None  # one node: flat is best
         True
+        >>> node_aware_groups([0, 1], ["a", "b"])  # one rank per node
+        NodeAwareGroups(nodes=[[0], [1]], rails=[[0, 1]])
     """
     by_node: dict[Hashable, list[int]] = {}
     for rank in sorted(members):
         by_node.setdefault(rank_to_node[rank], []).append(rank)
     nodes = list(by_node.values())
     sizes = {len(group) for group in nodes}
-    if len(nodes) < 2 or len(sizes) != 1 or sizes == {1}:
+    if len(nodes) < 2 or len(sizes) != 1:
         return None
     per_node = len(nodes[0])
     rails = [[group[i] for group in nodes] for i in range(per_node)]

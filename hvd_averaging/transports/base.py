@@ -64,6 +64,11 @@ class Transfer:
             self._handle = None
             self.result = finished.value
 
+    def ready(self) -> bool:
+        """True when the current stage finished (so :meth:`advance` would launch the next one);
+        one poll, no waiting."""
+        return self._handle is not None and hvd.poll(self._handle)
+
     def advance(self) -> bool:
         """Collect every finished stage and launch the next; True when the round is complete.
 

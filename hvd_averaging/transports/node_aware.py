@@ -6,18 +6,22 @@ A flat allreduce over ranks on several nodes makes every rank's share cross the 
 1. reduce-scatter inside the node: each of the node's ``k`` ranks holds the node's average of
    ``1/k`` of the buffer (shared memory or loopback);
 2. reduce-scatter along the rail (the ranks of the same local position on every node) and
-3. allgather along the rail: the ``k`` rails of a node cross the link in parallel, each with
+3. allgather along the rail (or one allreduce, see below): the ``k`` rails of a node cross the link in parallel, each with
    ``1/k`` of the buffer, so the node sends and receives ``2 (n-1)/n`` of one buffer in all,
    the least any averaging across ``n`` nodes can;
 4. allgather inside the node: every rank has the whole average.
 
-Reduce-scatter plus allgather along the rail rather than one allreduce: measured on the emulated
-cluster, OpenMPI's allreduce of one 16 MB buffer between 2 nodes took 1.5x what its
-reduce-scatter plus allgather took. Results equal the flat average up to the order of the float
-additions.
+Along the rail, which collective crosses the link depends on the controller, as measured on the
+emulated cluster (16 MiB between 2 nodes with one rank each, 200 Mbit/s, ``make bench``):
+OpenMPI's reduce-scatter plus allgather took 721 ms where its allreduce took 1048 ms, while
+Gloo's allreduce took 705 ms where its reduce-scatter plus allgather took 1074 ms. With one rank
+per node, stages 1 and 4 have nothing to do. Results equal the flat average up to the order of
+the float additions.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import horovod.torch as hvd
 import torch
@@ -31,14 +35,19 @@ class NodeAware(Transport):
     """Node-local reduce-scatter, rail reduce-scatter + allgather, node-local allgather.
 
     Args:
-        node_set: this rank's node group (its set's ranks on this node).
+        node_set: this rank's node group (its set's ranks on this node); None with one rank per
+            node (stages 1 and 4 are skipped).
         rail_set: this rank's rail (the ranks of its local position on every node).
         ranks_per_node: members of ``node_set``.
         nodes: members of ``rail_set``.
+        rail_allreduce: cross the link with one allreduce (Gloo's is at the link's rate, its
+            reduce-scatter plus allgather are slower) instead of reduce-scatter plus allgather
+            (OpenMPI's allreduce is the slower one).
     """
 
-    def __init__(self, node_set: hvd.ProcessSet, rail_set: hvd.ProcessSet, ranks_per_node: int,
-                 nodes: int):
+    def __init__(self, node_set: Optional[hvd.ProcessSet], rail_set: hvd.ProcessSet,
+                 ranks_per_node: int, nodes: int, rail_allreduce: bool = False):
+        self.rail_allreduce = rail_allreduce
         self.node_set = node_set
         self.rail_set = rail_set
         self.ranks_per_node = ranks_per_node
@@ -47,15 +56,25 @@ class NodeAware(Transport):
     def stages(self, buffer: torch.Tensor, name: str) -> Stages:
         # Horovod splits the first dimension as evenly as it can, in member order, and the
         # allgathers concatenate in the same order, so any length comes back in place.
-        node_share = yield hvd.reducescatter_async(buffer, op=hvd.Average, process_set=self.node_set,
-                                                   name=f"{name}.node_reducescatter")
-        rail_share = yield hvd.reducescatter_async(node_share, op=hvd.Average,
-                                                   process_set=self.rail_set,
-                                                   name=f"{name}.rail_reducescatter")
-        node_share = yield hvd.allgather_async(rail_share, process_set=self.rail_set,
-                                               name=f"{name}.rail_allgather")
-        whole = yield hvd.allgather_async(node_share, process_set=self.node_set,
-                                          name=f"{name}.node_allgather")
+        node_share = buffer
+        if self.node_set is not None:
+            node_share = yield hvd.reducescatter_async(buffer, op=hvd.Average,
+                                                       process_set=self.node_set,
+                                                       name=f"{name}.node_reducescatter")
+        if self.rail_allreduce:
+            node_share = yield hvd.allreduce_async_(node_share, op=hvd.Average,
+                                                    process_set=self.rail_set,
+                                                    name=f"{name}.rail_allreduce")
+        else:
+            rail_share = yield hvd.reducescatter_async(node_share, op=hvd.Average,
+                                                       process_set=self.rail_set,
+                                                       name=f"{name}.rail_reducescatter")
+            node_share = yield hvd.allgather_async(rail_share, process_set=self.rail_set,
+                                                   name=f"{name}.rail_allgather")
+        whole = node_share
+        if self.node_set is not None:
+            whole = yield hvd.allgather_async(node_share, process_set=self.node_set,
+                                              name=f"{name}.node_allgather")
         buffer.copy_(whole)
         return buffer
 

@@ -4,6 +4,7 @@ import os
 import horovod.torch as hvd
 
 import hvd_averaging as hva
+from hvd_averaging.communication import averaging_route
 from hvd_averaging.runtime import dynamic_process_sets_enabled, members, registered_process_sets
 
 import conftest
@@ -20,7 +21,9 @@ def test_start_up_registration_across_hosts(world, rank):
         registered = sorted(registered_process_sets().values())
         names = hosts()
         node_groups = sorted({tuple(r for r in range(world) if names[r] == h) for h in names})
-        assert [tuple(g) for g in registered if len(g) < world] == node_groups
+        # the i-th rank of every node: the rails the global set averages node-aware along
+        rails = sorted(tuple(group[i] for group in node_groups) for i in range(len(node_groups[0])))
+        assert [tuple(g) for g in registered if len(g) < world] == sorted(node_groups + rails)
     else:
         assert dynamic_process_sets_enabled()
         assert any("over several hosts the placement is known only after Horovod starts" in w
@@ -28,3 +31,5 @@ def test_start_up_registration_across_hosts(world, rank):
     local = len(same_host_ranks(rank))
     averager = hva.HierarchicalModelAverager({2: local, 4: world})
     assert members(averager.period_process_set_dict[2]) == same_host_ranks(rank)
+    # the top level crosses the nodes node-aware, with or without dynamic process sets
+    assert averaging_route(hvd.global_process_set) == "node-aware"

@@ -31,16 +31,17 @@ def exact_mean(tensor):
     return every.mean(0).reshape(tensor.shape), every.abs().mean(0).reshape(tensor.shape)
 
 
-def pseudo_nodes(world):
+def pseudo_nodes(world, rail_allreduce=False):
     """On one host: pairs of ranks as nodes, to drive the node-aware stages (on the emulated
-    cluster the pairs are the real nodes)."""
+    cluster the pairs are the real nodes); the rail crosses with reduce-scatter + allgather
+    (as over MPI) or with one allreduce (as over Gloo)."""
     pairs = [[r, r + 1] for r in range(0, world, 2)]
     rails = [list(range(0, world, 2)), list(range(1, world, 2))]
     node_sets = [hva.process_set(p) for p in pairs]
     rail_sets = [hva.process_set(r) for r in rails]
     rank = hvd.rank()
     mine = lambda sets, groups: next(s for s, g in zip(sets, groups) if rank in g)  # noqa: E731
-    return NodeAware(mine(node_sets, pairs), mine(rail_sets, rails), 2, world // 2)
+    return NodeAware(mine(node_sets, pairs), mine(rail_sets, rails), 2, world // 2, rail_allreduce)
 
 
 def drive(transport, buffer, name):
@@ -76,7 +77,8 @@ def test_route_follows_the_placement_and_counts_what_crosses(world, rank):
         assert counters.cross_node_bytes == (nbytes if nodes > 1 else 0)
 
 
-def test_node_aware_equals_flat_within_float_reassociation(world, rank):
+@pytest.mark.parametrize("rail_allreduce", [False, True])
+def test_node_aware_equals_flat_within_float_reassociation(world, rank, rail_allreduce):
     """Both within (R + 2) * 2**-24 * mean_j |x_j| of the exact average, elementwise."""
     flat_params = random_params(rank, seed=1)
     staged_params = random_params(rank, seed=1)
@@ -84,13 +86,14 @@ def test_node_aware_equals_flat_within_float_reassociation(world, rank):
     average_tensors(flat_params, node_aware=False, name="test.flat")
     if world >= 4 and world % 2 == 0:
         if expected_route(world) == "node-aware":
-            average_tensors(staged_params, node_aware=True, name="test.staged")
+            average_tensors(staged_params, node_aware=True, name=f"test.staged.{rail_allreduce}")
             assert averaging_route(hvd.global_process_set, NUMEL * 4) == "node-aware"
         else:
             buffer = staged_params[0].detach().clone()
-            staged_params[0].data.copy_(drive(pseudo_nodes(world), buffer, "test.pseudo"))
+            staged_params[0].data.copy_(drive(pseudo_nodes(world, rail_allreduce), buffer,
+                                              f"test.pseudo.{rail_allreduce}"))
     else:
-        average_tensors(staged_params, name="test.staged")  # nothing to stage: flat
+        average_tensors(staged_params, name=f"test.staged.{rail_allreduce}")  # nothing to stage
     bound = (world + 2) * U32 * mean_abs + 1e-30
     for result in (flat_params[0], staged_params[0]):
         assert bool(((result.double() - exact).abs() <= bound).all())
@@ -100,14 +103,15 @@ def test_node_aware_equals_flat_within_float_reassociation(world, rank):
     assert hvd.allgather_object(digest) == [digest] * world
 
 
-def test_node_aware_comes_back_in_place_for_any_length(world, rank):
+@pytest.mark.parametrize("rail_allreduce", [False, True])
+def test_node_aware_comes_back_in_place_for_any_length(world, rank, rail_allreduce):
     if world < 4 or world % 2:
         assert averaging_route(hvd.global_process_set, 1 << 30) == expected_route(world)
         return
-    transport = pseudo_nodes(world)
+    transport = pseudo_nodes(world, rail_allreduce)
     for numel in (1, 3, world + 1, 4099):
         values = torch.arange(numel, dtype=torch.float32) * (rank + 1)
-        out = drive(transport, values.clone(), f"test.len{numel}")
+        out = drive(transport, values.clone(), f"test.len{numel}.{rail_allreduce}")
         expected = torch.arange(numel, dtype=torch.float32) * (world + 1) / 2
         assert torch.allclose(out, expected, rtol=1e-6), numel
 

@@ -145,9 +145,16 @@ def test_node_aware_groups_of_a_subset_use_its_members_only():
     assert node_aware_groups([4, 5, 6, 7], list("aabbccdd")) == ([[4, 5], [6, 7]], [[4, 6], [5, 7]])
 
 
-@pytest.mark.parametrize("placement", [["a"] * 4, ["a", "b"], list("aaab"), list("aabbb"), ["a"]])
-def test_node_aware_groups_none_where_flat_is_as_good_or_rails_cannot_line_up(placement):
+@pytest.mark.parametrize("placement", [["a"] * 4, list("aaab"), list("aabbb"), ["a"]])
+def test_node_aware_groups_none_on_one_node_or_where_rails_cannot_line_up(placement):
     assert node_aware_groups(range(len(placement)), placement) is None
+
+
+def test_node_aware_groups_one_rank_per_node_is_one_rail():
+    assert node_aware_groups(range(3), list("abc")) == ([[0], [1], [2]], [[0, 1, 2]])
+    # the level's own single ranks stay; node-aware adds nothing (the rail is the world)
+    assert static_groups(list("abc"), [1]) == [[0], [1], [2]]
+    assert static_groups(list("abc"), [3]) == []
 
 
 def test_static_groups_register_rails_of_spanning_levels():
