@@ -317,26 +317,25 @@ class PeriodicModelAverager(ModelAverager):
                  compression=None, check_finite: bool = False):
         super().__init__(process_set, check_finite=check_finite)
         error = None
+        self._compression_label = repr(compression)  # compared across ranks, even when bad
         try:
             check_period(period, stacklevel=3)
             check_warmup_steps(warmup_steps)
             check_delay(delay, period)
-            fp16 = wire_is_fp16(compression)
+            self._compression_label = compression_name(compression)
+            self._delays = {period: delay}
+            self._fp16 = {period: self._compression_label == "fp16"}
         except ValueError as e:
             error = e
         self.period = period
         self.warmup_steps = warmup_steps
         self.delay = delay
         self.compression = compression
-        if error is None:
-            self._delays = {period: delay}
-            self._fp16 = {period: fp16}
         self._agree_and_register(error)
 
     def _config(self) -> dict[str, Any]:
         return {"period": self.period, "warmup_steps": self.warmup_steps, "delay": self.delay,
-                "compression": compression_name(self.compression) if self._fp16 else repr(self.compression),
-                **super()._config()}
+                "compression": self._compression_label, **super()._config()}
 
     def _register_sets(self) -> None:
         self._prepare_sets([[members(self.process_set)]])

@@ -39,7 +39,7 @@ from .flat_storage import Packing, pack
 from .routes import NODE_AWARE_MIN_BYTES, Routes
 from .runtime import (bounded_collective, check_same_on_all_ranks, config_digest, guarded_enqueue,
                       members)
-from .transports import Transfer, Transport
+from .transports import Transport
 from .transports.fp16_wire import NonFiniteOnWire
 
 __all__ = [
@@ -286,26 +286,25 @@ class _Round:
     node_aware: Optional[bool]
     op_tag: str = ""  # tells apart rounds over the same tensors in flight at once
 
-    def transports(self) -> list[Transport]:
-        return [_book.routes.transport(self.process_set, slab.flat.numel() * slab.flat.element_size(),
-                                       fp16=self.fp16, node_aware=self.node_aware)
-                for slab in self.packing.slabs]
+    def transport(self) -> Transport:
+        nbytes = sum(slab.flat.numel() * slab.flat.element_size() for slab in self.packing.slabs)
+        return _book.routes.transport(self.process_set, nbytes, fp16=self.fp16,
+                                      node_aware=self.node_aware)
 
-    def op_name(self, slab_index: int) -> str:
-        dtype = str(self.packing.slabs[slab_index].dtype).replace("torch.", "")
-        return f"hva.{self.process_set.process_set_id}.{self.name}{self.op_tag}.{dtype}"
+    def op_names(self) -> list[str]:
+        """One stable name per dtype buffer (Horovod's response cache hits round after round)."""
+        prefix = f"hva.{self.process_set.process_set_id}.{self.name}{self.op_tag}"
+        return [f"{prefix}.{str(slab.dtype).replace('torch.', '')}" for slab in self.packing.slabs]
 
-    def count(self, transports: list[Transport], buffers: list[torch.Tensor]) -> int:
+    def count(self, transport: Transport, buffers: list[torch.Tensor]) -> int:
         counters = _book.traffic
         if len(self.set_ranks) == hvd.size():
             counters.global_allreduces += 1
         else:
             counters.local_allreduces += 1
-        nbytes = 0
-        for transport, buffer in zip(transports, buffers):
-            nbytes += transport.wire_bytes(buffer)
-            counters.cross_node_bytes += transport.cross_node_bytes(buffer)
+        nbytes = transport.wire_bytes(buffers)
         counters.bytes += nbytes
+        counters.cross_node_bytes += transport.cross_node_bytes(buffers)
         return nbytes
 
     def non_finite_error(self, error: NonFiniteOnWire) -> NonFiniteError:
@@ -408,13 +407,11 @@ def average_tensors(
         return
     slabs = round_.packing.slabs
     buffers = [slab.flat for slab in slabs]
-    transports = round_.transports()
-    nbytes = round_.count(transports, buffers)
+    transport = round_.transport()
+    nbytes = round_.count(transport, buffers)
     with bounded_collective(round_.what, nbytes) as collective:
         try:
-            transfers = [transport.start(buffer, round_.op_name(i), round_.what)
-                         for i, (transport, buffer) in enumerate(zip(transports, buffers))]
-            collective.drive(transfers)
+            collective.drive([transport.start(buffers, round_.op_names(), round_.what)])
         except NonFiniteOnWire as error:
             raise round_.non_finite_error(error) from None
     for slab in slabs:
@@ -448,12 +445,11 @@ class DelayedAverage:
             wire = _reused_like(buffers, ("wire", index), slab.flat)
             wire.copy_(snapshot)
             wires.append(wire)
-        self._transports = round_.transports()
-        self.nbytes = round_.count(self._transports, wires)
+        transport = round_.transport()
+        self.nbytes = round_.count(transport, wires)
         self.started_at = time.monotonic()
         with guarded_enqueue(self.what):
-            self._transfers = [transport.start(wire, round_.op_name(i), self.what)
-                               for i, (transport, wire) in enumerate(zip(self._transports, wires))]
+            self._transfer = transport.start(wires, round_.op_names(), self.what)
 
     @property
     def layout_digest(self) -> int:
@@ -469,19 +465,19 @@ class DelayedAverage:
         while one is in flight)."""
         with bounded_collective(self.what, self.nbytes, started_at=self.started_at) as collective:
             try:
-                collective.drive(self._transfers)
+                collective.drive([self._transfer])
             except NonFiniteOnWire:
                 pass
 
     def progress(self) -> None:
         """Launch the next stage of every transfer whose current one finished; never waits.
-        Costs one poll per dtype while stages run; the watchdog is armed only around launches."""
-        if not any([t.ready() for t in self._transfers]):
+        Costs one poll per dtype buffer while stages run; the watchdog is armed only around
+        launches."""
+        if not self._transfer.ready():
             return
         try:
             with guarded_enqueue(self.what):
-                for transfer in self._transfers:
-                    transfer.advance()
+                self._transfer.advance()
         except NonFiniteOnWire as error:
             raise self._round.non_finite_error(error) from None
 
@@ -495,7 +491,7 @@ class DelayedAverage:
         """
         with bounded_collective(self.what, self.nbytes, started_at=self.started_at) as collective:
             try:
-                collective.drive(self._transfers)
+                collective.drive([self._transfer])
             except NonFiniteOnWire as error:
                 raise self._round.non_finite_error(error) from None
         if not self._round.packing.still_bound():
@@ -503,11 +499,11 @@ class DelayedAverage:
                 f"{self.what}: a tensor's .data was replaced (model.to(), load_state_dict(assign="
                 "True)) while its round was in flight, so the round cannot be applied to it")
         with torch.no_grad():
-            for slab, snapshot, transfer in zip(self._round.packing.slabs, self._snapshots,
-                                                self._transfers):
+            for slab, snapshot, average in zip(self._round.packing.slabs, self._snapshots,
+                                               self._transfer.result):
                 slab.copy_in()  # tensors copied through their slot moved on since the start
                 torch.sub(slab.flat, snapshot, out=snapshot)  # the local progress
-                slab.flat.copy_(transfer.result)
+                slab.flat.copy_(average)
                 slab.flat.add_(snapshot)
                 slab.copy_out()
 

@@ -100,11 +100,11 @@ class Routes:
 
     def transport(self, process_set: hvd.ProcessSet, nbytes: int, *, fp16: bool,
                   node_aware: Optional[bool] = None) -> Transport:
-        """The way a buffer of ``nbytes`` averages over ``process_set``.
+        """The way a round of ``nbytes`` (all its dtype buffers) averages over ``process_set``.
 
         The global set is prepared here on first use (every rank is a member, so every rank
         calls this); other sets only by :meth:`prepare` (an averager does it at construction).
-        ``node_aware``: None chooses (node-aware for sets that can and buffers of at least
+        ``node_aware``: None chooses (node-aware for sets that can and rounds of at least
         ``NODE_AWARE_MIN_BYTES``), False forces flat, True forces node-aware where the set can.
         """
         if process_set.process_set_id == hvd.global_process_set.process_set_id:

@@ -1,8 +1,9 @@
-"""How one flat buffer travels to its average: one small module per way, one interface.
+"""How a round's flat buffers (one per dtype) travel to their average: one small module per way,
+one interface.
 
-Every way is a :class:`~.base.Transport`: ``stages(buffer, name)`` is a generator that launches
-one Horovod collective per stage, yields its handle, receives its result and finally returns
-the tensor holding the average. :class:`~.base.Transfer` drives those stages without blocking
+Every way is a :class:`~.base.Transport`: ``stages(buffers, names)`` is a generator that
+launches one stage's Horovod collectives, yields their handles, receives their results and
+finally returns the tensors holding the averages. :class:`~.base.Transfer` drives those stages without blocking
 (``advance``), so a round can stay in flight while training goes on. Bookkeeping (layouts,
 traffic counters, finite checks, bounded waits) is the caller's, in :mod:`hvd_averaging.communication`.
 

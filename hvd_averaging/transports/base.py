@@ -11,37 +11,43 @@ from horovod.common.exceptions import HorovodInternalError
 
 __all__ = ["Stages", "Transport", "Transfer"]
 
-# A generator that yields a Horovod handle per stage, is sent that handle's result, and returns
-# the tensor that holds the average (the buffer itself or a tensor Horovod allocated).
-Stages = Generator[int, torch.Tensor, torch.Tensor]
+# A generator that yields the Horovod handles of one stage (one per buffer, or one for the whole
+# round), is sent their results, and returns the tensors that hold the averages (one per buffer).
+Stages = Generator[list, list, list]
 
 
 class Transport(ABC):
-    """A way of averaging one flat buffer over the members of a process set."""
+    """A way of averaging flat buffers (one per dtype) over the members of a process set.
+
+    All buffers of a round move stage by stage together, so every rank takes the same decision
+    at every stage for all of them (a float16 round that finds a NaN stops before any buffer
+    moves, on every rank).
+    """
 
     @abstractmethod
-    def stages(self, buffer: torch.Tensor, name: str) -> Stages:
-        """The collectives that average ``buffer`` (collective over the set, same ``name`` on
-        every member). ``buffer`` may be overwritten; the average is the generator's value."""
+    def stages(self, buffers: list[torch.Tensor], names: list[str]) -> Stages:
+        """The collectives that average ``buffers`` (collective over the set, same ``names``
+        on every member, one per buffer). Buffers may be overwritten; the averages are the
+        generator's value."""
 
     @abstractmethod
-    def cross_node_bytes(self, buffer: torch.Tensor) -> int:
-        """Payload bytes of ``buffer``'s round that this rank hands to collectives whose members
-        sit on more than one node."""
+    def cross_node_bytes(self, buffers: list[torch.Tensor]) -> int:
+        """Payload bytes of a round over ``buffers`` that this rank hands to collectives whose
+        members sit on more than one node."""
 
-    def wire_bytes(self, buffer: torch.Tensor) -> int:
-        """Payload bytes of one round over ``buffer`` (its size in the dtype that travels)."""
-        return buffer.numel() * buffer.element_size()
+    def wire_bytes(self, buffers: list[torch.Tensor]) -> int:
+        """Payload bytes of one round over ``buffers`` (their size in the dtype that travels)."""
+        return sum(b.numel() * b.element_size() for b in buffers)
 
-    def start(self, buffer: torch.Tensor, name: str, what: str) -> "Transfer":
+    def start(self, buffers: list[torch.Tensor], names: list[str], what: str) -> "Transfer":
         """Launch the first stage; ``what`` names the round in errors."""
-        return Transfer(self.stages(buffer, name), what)
+        return Transfer(self.stages(buffers, names), what)
 
 
 class Transfer:
-    """One buffer's round in flight: its stages, advanced without blocking.
+    """One round in flight: its stages, advanced without blocking.
 
-    Each stage's collective runs on Horovod's background thread; :meth:`advance` collects a
+    Each stage's collectives run on Horovod's background thread; :meth:`advance` collects a
     finished stage and launches the next one, so a caller that calls it now and then (once per
     training step) keeps the round moving without ever waiting.
     """
@@ -49,25 +55,28 @@ class Transfer:
     def __init__(self, stages: Stages, what: str):
         self._stages = stages
         self.what = what
-        self.result: Optional[torch.Tensor] = None
-        self._handle: Optional[int] = None
+        self.result: Optional[list[torch.Tensor]] = None
+        self._handles: Optional[list] = None
         self._step(None, first=True)
 
     @property
     def done(self) -> bool:
-        return self._handle is None
+        return self._handles is None
 
     def _step(self, value, first: bool = False) -> None:
         try:
-            self._handle = next(self._stages) if first else self._stages.send(value)
+            self._handles = next(self._stages) if first else self._stages.send(value)
         except StopIteration as finished:
-            self._handle = None
+            self._handles = None
             self.result = finished.value
+        except BaseException:
+            self._handles = None  # the round is over on every rank alike (e.g. a NaN agreed on)
+            raise
 
     def ready(self) -> bool:
         """True when the current stage finished (so :meth:`advance` would launch the next one);
-        one poll, no waiting."""
-        return self._handle is not None and hvd.poll(self._handle)
+        one poll per handle, no waiting."""
+        return self._handles is not None and all(hvd.poll(h) for h in self._handles)
 
     def advance(self) -> bool:
         """Collect every finished stage and launch the next; True when the round is complete.
@@ -75,12 +84,12 @@ class Transfer:
         Raises:
             HorovodInternalError: Horovod failed or shut down during a stage (named by ``what``).
         """
-        while self._handle is not None and hvd.poll(self._handle):
+        while self.ready():
             try:
-                value = hvd.synchronize(self._handle)
+                values = [hvd.synchronize(h) for h in self._handles]
             except HorovodInternalError as error:
-                self._handle = None
+                self._handles = None
                 self._stages.close()
                 raise HorovodInternalError(f"{self.what}: {error}") from error
-            self._step(value)
-        return self._handle is None
+            self._step(values)
+        return self._handles is None

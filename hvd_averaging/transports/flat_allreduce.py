@@ -1,4 +1,4 @@
-"""One allreduce of the whole buffer over the set: the way inside a node, and for any set."""
+"""One allreduce of each buffer over the set: the way inside a node, and for any set."""
 
 from __future__ import annotations
 
@@ -22,10 +22,10 @@ class FlatAllreduce(Transport):
         self.process_set = process_set
         self.crosses_nodes = crosses_nodes
 
-    def stages(self, buffer: torch.Tensor, name: str) -> Stages:
-        yield hvd.allreduce_async_(buffer, op=hvd.Average, process_set=self.process_set,
-                                   name=f"{name}.allreduce")
-        return buffer
+    def stages(self, buffers: list[torch.Tensor], names: list[str]) -> Stages:
+        yield [hvd.allreduce_async_(b, op=hvd.Average, process_set=self.process_set,
+                                    name=f"{n}.allreduce") for b, n in zip(buffers, names)]
+        return buffers
 
-    def cross_node_bytes(self, buffer: torch.Tensor) -> int:
-        return self.wire_bytes(buffer) if self.crosses_nodes else 0
+    def cross_node_bytes(self, buffers: list[torch.Tensor]) -> int:
+        return self.wire_bytes(buffers) if self.crosses_nodes else 0

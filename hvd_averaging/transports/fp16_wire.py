@@ -91,7 +91,7 @@ class Fp16Wire(Transport):
         self.inner = inner
         self.process_set = process_set
         self.ranks = ranks
-        self.last_scale = 1.0
+        self.last_scales: list[float] = []
         self._wires: dict[tuple, torch.Tensor] = {}  # one float16 buffer per round name
 
     def _wire(self, buffer: torch.Tensor, name: str) -> torch.Tensor:
@@ -102,27 +102,33 @@ class Fp16Wire(Transport):
                                                   device=buffer.device)
         return wire
 
-    def stages(self, buffer: torch.Tensor, name: str) -> Stages:
-        absmax = float(buffer.abs().max()) if buffer.numel() else 0.0
-        bad = not math.isfinite(absmax)
-        agreed = yield hvd.allreduce_async(
-            torch.tensor([math.inf if bad else absmax, hvd.rank() if bad else -1.0],
-                         dtype=torch.float64),
-            op=hvd.Max, process_set=self.process_set, name=f"{name}.fp16_absmax")
-        if agreed[1] >= 0:
-            raise NonFiniteOnWire(int(agreed[1]))
-        scale = fp16_scale(float(agreed[0]), self.ranks)
-        self.last_scale = scale
-        wire = self._wire(buffer, name)
-        torch.mul(buffer, scale, out=wire)
-        average = yield from self.inner.stages(wire, f"{name}.fp16")
-        buffer.copy_(average)
-        buffer.mul_(1.0 / scale)
-        return buffer
+    def stages(self, buffers: list[torch.Tensor], names: list[str]) -> Stages:
+        # One agreement for the whole round: every buffer's largest magnitude, and the highest
+        # rank holding a NaN/Inf anywhere (-1: none), so all ranks stop or go on together.
+        absmax = [float(b.abs().max()) if b.numel() else 0.0 for b in buffers]
+        bad = not all(math.isfinite(a) for a in absmax)
+        local = [0.0 if bad else a for a in absmax] + [hvd.rank() if bad else -1.0]
+        (agreed,) = yield [hvd.allreduce_async(torch.tensor(local, dtype=torch.float64),
+                                               op=hvd.Max, process_set=self.process_set,
+                                               name=f"{names[0]}.fp16_absmax")]
+        if agreed[-1] >= 0:
+            raise NonFiniteOnWire(int(agreed[-1]))
+        scales = [fp16_scale(float(a), self.ranks) for a in agreed[:-1]]
+        self.last_scales = scales
+        wires = []
+        for buffer, name, scale in zip(buffers, names, scales):
+            wire = self._wire(buffer, name)
+            torch.mul(buffer, scale, out=wire)
+            wires.append(wire)
+        averages = yield from self.inner.stages(wires, [f"{n}.fp16" for n in names])
+        for buffer, average, scale in zip(buffers, averages, scales):
+            buffer.copy_(average)
+            buffer.mul_(1.0 / scale)
+        return buffers
 
-    def wire_bytes(self, buffer: torch.Tensor) -> int:
-        return buffer.numel() * 2
+    def wire_bytes(self, buffers: list[torch.Tensor]) -> int:
+        return sum(b.numel() * 2 for b in buffers)
 
-    def cross_node_bytes(self, buffer: torch.Tensor) -> int:
-        return self.inner.cross_node_bytes(torch.empty(buffer.numel(), dtype=torch.float16,
-                                                       device="meta"))
+    def cross_node_bytes(self, buffers: list[torch.Tensor]) -> int:
+        return self.inner.cross_node_bytes(
+            [torch.empty(b.numel(), dtype=torch.float16, device="meta") for b in buffers])

@@ -53,33 +53,40 @@ class NodeAware(Transport):
         self.ranks_per_node = ranks_per_node
         self.nodes = nodes
 
-    def stages(self, buffer: torch.Tensor, name: str) -> Stages:
+    def stages(self, buffers: list[torch.Tensor], names: list[str]) -> Stages:
         # Horovod splits the first dimension as evenly as it can, in member order, and the
         # allgathers concatenate in the same order, so any length comes back in place.
-        node_share = buffer
+        shares = buffers
         if self.node_set is not None:
-            node_share = yield hvd.reducescatter_async(buffer, op=hvd.Average,
-                                                       process_set=self.node_set,
-                                                       name=f"{name}.node_reducescatter")
+            shares = yield [hvd.reducescatter_async(b, op=hvd.Average, process_set=self.node_set,
+                                                    name=f"{n}.node_reducescatter")
+                            for b, n in zip(buffers, names)]
         if self.rail_allreduce:
-            node_share = yield hvd.allreduce_async_(node_share, op=hvd.Average,
-                                                    process_set=self.rail_set,
-                                                    name=f"{name}.rail_allreduce")
+            shares = yield [hvd.allreduce_async_(s, op=hvd.Average, process_set=self.rail_set,
+                                                 name=f"{n}.rail_allreduce")
+                            for s, n in zip(shares, names)]
         else:
-            rail_share = yield hvd.reducescatter_async(node_share, op=hvd.Average,
-                                                       process_set=self.rail_set,
-                                                       name=f"{name}.rail_reducescatter")
-            node_share = yield hvd.allgather_async(rail_share, process_set=self.rail_set,
-                                                   name=f"{name}.rail_allgather")
-        whole = node_share
+            pieces = yield [hvd.reducescatter_async(s, op=hvd.Average, process_set=self.rail_set,
+                                                    name=f"{n}.rail_reducescatter")
+                            for s, n in zip(shares, names)]
+            shares = yield [hvd.allgather_async(p, process_set=self.rail_set,
+                                                name=f"{n}.rail_allgather")
+                            for p, n in zip(pieces, names)]
+        wholes = shares
         if self.node_set is not None:
-            whole = yield hvd.allgather_async(node_share, process_set=self.node_set,
-                                              name=f"{name}.node_allgather")
-        buffer.copy_(whole)
-        return buffer
+            wholes = yield [hvd.allgather_async(s, process_set=self.node_set,
+                                                name=f"{n}.node_allgather")
+                            for s, n in zip(shares, names)]
+        for buffer, whole in zip(buffers, wholes):
+            if whole is not buffer:
+                buffer.copy_(whole)
+        return buffers
 
-    def cross_node_bytes(self, buffer: torch.Tensor) -> int:
-        # payload handed to the rail's collectives: the node share to the reduce-scatter, the
-        # rail share to the allgather
-        node_share = self.wire_bytes(buffer) // self.ranks_per_node
-        return node_share + node_share // self.nodes
+    def cross_node_bytes(self, buffers: list[torch.Tensor]) -> int:
+        # payload handed to the rail's collectives: the node share to the reduce-scatter (or
+        # allreduce), the rail share to the allgather
+        total = 0
+        for buffer in buffers:
+            node_share = buffer.numel() * buffer.element_size() // self.ranks_per_node
+            total += node_share if self.rail_allreduce else node_share + node_share // self.nodes
+        return total
