@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import time
@@ -115,8 +116,8 @@ def main() -> None:
     parser.add_argument("--rate-mbit", type=float, required=True)
     parser.add_argument("--overlap", action="store_true", help="also time training with averaging overlapped")
     parser.add_argument("--step-ms", type=float, default=120.0)
-    parser.add_argument("--period", type=int, default=16)
-    parser.add_argument("--delay", type=int, default=12)
+    parser.add_argument("--delay", type=int, default=4,
+                        help="smallest delay; raised until one averaging round fits into it")
     args = parser.parse_args()
     torch.set_num_threads(1)
     per_node = int(os.environ.get("HOROVOD_LOCAL_SIZE") or os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE") or 1)
@@ -162,18 +163,31 @@ def main() -> None:
 
     if args.overlap:
         compute = Compute(args.step_ms / 1e3)
-        steps = args.period * 4
-        overlap = {"period": args.period, "delay": args.delay, "steps": steps}
         params = make_params(args.mb, args.tensors, seed=rank)
+        # One averaging must fit into `delay` steps of compute: measure both here (a short run
+        # without averaging, one averaging round while training), then choose the delay with a
+        # margin and the period just above it.
+        base = training(None, params, compute, 16, "probe.none")["step_s"]
+        probe = hva.PeriodicModelAverager(1 << 30)
+        hvd.barrier()
+        t0 = time.perf_counter()
+        probe.average_parameters(params)
+        round_s = slowest(time.perf_counter() - t0, "probe.round")
+        delay = max(args.delay, math.ceil(1.5 * round_s / base))
+        period = delay + 4
+        steps = period * 4
+        overlap = {"period": period, "delay": delay, "steps": steps,
+                   "averaging_round_s": round_s, "compute_step_s": base}
         overlap["no averaging"] = training(None, params, compute, steps, "none")
         overlap["local SGD, delay 0"] = training(
-            hva.PeriodicModelAverager(args.period), params, compute, steps, "sync")
-        overlap[f"local SGD, delay {args.delay}"] = training(
-            hva.PeriodicModelAverager(args.period, delay=args.delay), params, compute, steps, "delayed")
-        overlap[f"local SGD, delay {args.delay}, fp16 wire"] = training(
-            hva.PeriodicModelAverager(args.period, delay=args.delay, compression=fp16),
+            hva.PeriodicModelAverager(period), params, compute, steps, "sync")
+        overlap[f"local SGD, delay {delay}"] = training(
+            hva.PeriodicModelAverager(period, delay=delay), params, compute, steps, "delayed")
+        overlap[f"local SGD, delay {delay}, fp16 wire"] = training(
+            hva.PeriodicModelAverager(period, delay=delay, compression=fp16),
             params, compute, steps, "delayed16")
-        # What a polling call costs by itself: a round in flight, no training competing for the CPUs.
+        # What a polling call costs by itself: a round in flight (its transfer still uses the
+        # CPUs), no training competing for them.
         averager = hva.PeriodicModelAverager(1000, delay=999)
         averager.average_parameters(params)
         idle_us = []

@@ -224,7 +224,10 @@ def cluster_report(runs: dict) -> str:
             base = overlap["no averaging"]["step_s"]
             lines.append(f"\nTraining with local SGD every {overlap['period']} steps "
                          f"({overlap['steps']} steps, node-aware averaging of the same buffer), "
-                         "time per step:\n")
+                         f"time per step; the delay ({overlap['delay']}) was chosen so that one "
+                         f"averaging round ({overlap['averaging_round_s'] * 1e3:.0f} ms, timed "
+                         f"alone) fits into it 1.5 times over steps of "
+                         f"{overlap['compute_step_s'] * 1e3:.0f} ms:\n")
             lines.append("| run | ms/step | / no averaging | average_parameters while a round is in flight (median, max us) |")
             lines.append("|---|---|---|---|")
             for label, r in overlap.items():
@@ -234,8 +237,8 @@ def cluster_report(runs: dict) -> str:
                          if "polling_call_us_median" in r else "")
                 lines.append(f"| {label} | {r['step_s'] * 1e3:.1f} | {r['step_s'] / base:.3f} | {polls} |")
             idle = overlap["polling call, nothing else running"]
-            lines.append(f"\nA polling call by itself (a round in flight, no training running, 200 "
-                         f"calls): median {idle['median_us']:.1f} us on rank 0, slowest rank's median "
+            lines.append(f"\nA polling call by itself (a round in flight, its transfer running, no "
+                         f"training; 200 calls): median {idle['median_us']:.1f} us on rank 0, slowest rank's median "
                          f"{idle['slowest_rank_median_us']:.1f} us, max {idle['max_us']:.0f} us.\n")
             delayed = overlap[f"local SGD, delay {overlap['delay']}"]
             sync = overlap["local SGD, delay 0"]
