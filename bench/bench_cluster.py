@@ -25,6 +25,8 @@ import hvd_averaging as hva
 from hvd_averaging.communication import average_tensors, averaging_route
 from hvd_averaging.runtime import rank_to_node
 
+from bench_averaging import slowest_rank, timed_interleaved
+
 HOROVOD_FLAT = "Horovod allreduce_ of one flat buffer"
 HVA_FLAT = "hva, flat (one allreduce)"
 HVA_NODE_AWARE = "hva, node-aware"
@@ -42,25 +44,6 @@ def make_params(total_mb: float, tensors: int, seed: int) -> list[torch.nn.Param
         p.grad = torch.zeros_like(p)
         params.append(p)
     return params
-
-
-def slowest(seconds: float, tag: str) -> float:
-    return float(hvd.allreduce(torch.tensor([seconds], dtype=torch.float64), op=hvd.Max,
-                               name=f"bench.time.{tag}"))
-
-
-def timed(methods: dict, reps: int) -> dict:
-    for fn in methods.values():
-        fn()  # warm-up: packing, layout agreement, process sets, response cache
-    times = {label: [] for label in methods}
-    for rep in range(reps):
-        for i, (label, fn) in enumerate(methods.items()):
-            hvd.barrier()
-            start = time.perf_counter()
-            fn()
-            times[label].append(slowest(time.perf_counter() - start, f"{rep}.{i}"))
-    return {label: {"min_s": min(t), "median_s": statistics.median(t), "all_s": t}
-            for label, t in times.items()}
 
 
 class Compute:
@@ -97,7 +80,7 @@ def training(averager, params, compute: Compute, steps: int, tag: str) -> dict:
             t0 = time.perf_counter()
             averager.average_parameters(params)
             call_us.append((step, (time.perf_counter() - t0) * 1e6))
-    elapsed = slowest(time.perf_counter() - start, f"train.{tag}")
+    elapsed = slowest_rank(time.perf_counter() - start, f"train.{tag}")
     result = {"step_s": elapsed / steps}
     if averager is not None and getattr(averager, "delay", 0):
         period, delay = averager.period, averager.delay
@@ -151,7 +134,7 @@ def main() -> None:
                                                node_aware=False, name="b.flat16"),
         INTRA_NODE: lambda: average_tensors(sets_of_params[INTRA_NODE], my_node_set, name="b.node"),
     }
-    results = timed(methods, args.reps)
+    results = timed_interleaved(methods, args.reps, "cluster")
     nbytes = numel * 4
     # each node must receive 2 (n-1)/n of the buffer (reduce-scatter + allgather between nodes)
     link_limit_s = 2 * (node_count - 1) / node_count * nbytes * 8 / (args.rate_mbit * 1e6)
@@ -172,7 +155,7 @@ def main() -> None:
         hvd.barrier()
         t0 = time.perf_counter()
         probe.average_parameters(params)
-        round_s = slowest(time.perf_counter() - t0, "probe.round")
+        round_s = slowest_rank(time.perf_counter() - t0, "probe.round")
         delay = max(args.delay, math.ceil(1.5 * round_s / base))
         period = delay + 4
         steps = period * 4
@@ -198,7 +181,7 @@ def main() -> None:
             time.sleep(0.002)
         overlap["polling call, nothing else running"] = {
             "median_us": statistics.median(idle_us), "max_us": max(idle_us),
-            "slowest_rank_median_us": slowest(statistics.median(idle_us), "idle") }
+            "slowest_rank_median_us": slowest_rank(statistics.median(idle_us), "idle") }
         report["overlap"] = overlap
     if rank == 0:
         for label, r in results.items():

@@ -147,25 +147,35 @@ def report(reports: dict, level_reports: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def chart(reports: dict, path: Path) -> None:
+def grouped_bars(path: Path, groups: list[str], series: dict[str, list[float]], ylabel: str,
+                 title: str, lines: tuple[float, ...] = ()) -> None:
+    """One bar per series in each group, dashed horizontal ``lines``, saved to ``path``."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [k for k in reports if k[2] == "dynamic"]
-    methods = [HVA, TORCH, "Horovod per-tensor allreduce_async_", "Horovod grouped_allreduce_", FLOOR]
     fig, ax = plt.subplots(figsize=(10, 4.5))
-    width = 0.8 / len(methods)
-    for i, m in enumerate(methods):
-        values = [reports[k]["shape_sets"][BIG]["methods"][m]["min_s"] * 1e3 for k in runs]
-        ax.bar([j + i * width for j in range(len(runs))], values, width, label=m)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(runs))])
-    ax.set_xticklabels([f"{c.upper()} np={n}" for c, n, _ in runs])
-    ax.set_ylabel("ms (min over repetitions)")
-    ax.set_title(f"Averaging {BIG} (float32, CPU)")
+    width = 0.8 / len(series)
+    for i, (label, values) in enumerate(series.items()):
+        ax.bar([j + i * width for j in range(len(groups))], values, width, label=label)
+    for y, style in zip(lines, ("--", ":")):
+        ax.axhline(y, color="black" if style == "--" else "grey", linestyle=style, linewidth=1)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))])
+    ax.set_xticklabels(groups)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def chart(reports: dict, path: Path) -> None:
+    runs = [k for k in reports if k[2] == "dynamic"]
+    methods = [HVA, TORCH, "Horovod per-tensor allreduce_async_", "Horovod grouped_allreduce_", FLOOR]
+    grouped_bars(path, [f"{c.upper()} np={n}" for c, n, _ in runs],
+                 {m: [reports[k]["shape_sets"][BIG]["methods"][m]["min_s"] * 1e3 for k in runs]
+                  for m in methods},
+                 "ms (min over repetitions)", f"Averaging {BIG} (float32, CPU)")
 
 
 def launch_on_cluster(controller: str, per_node: int, overlap: bool, out: Path, reps: int) -> None:
@@ -257,26 +267,13 @@ def cluster_report(runs: dict) -> str:
 
 
 def cluster_chart(runs: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     methods = [C_HOROVOD, C_FLAT, C_NA, C_FLAT16, C_NA16]
-    keys = list(runs)
-    fig, ax = plt.subplots(figsize=(10, 4.5))
-    width = 0.8 / len(methods)
-    for i, m in enumerate(methods):
-        ax.bar([j + i * width for j in range(len(keys))],
-               [runs[k]["methods"][m]["min_s"] / runs[k]["link_limit_s"] for k in keys], width, label=m)
-    ax.axhline(1.0, color="black", linestyle="--", linewidth=1)
-    ax.axhline(1.15, color="grey", linestyle=":", linewidth=1)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(keys))])
-    ax.set_xticklabels([f"{c.upper()} 2 nodes x {n}" for c, n in keys])
-    ax.set_ylabel("time / link limit (float32 bytes)")
-    ax.set_title(f"Global averaging across 2 emulated nodes, {CLUSTER_RATE_MBIT} Mbit/s")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    grouped_bars(path, [f"{c.upper()} 2 nodes x {n}" for c, n in runs],
+                 {m: [r["methods"][m]["min_s"] / r["link_limit_s"] for r in runs.values()]
+                  for m in methods},
+                 "time / link limit (float32 bytes)",
+                 f"Global averaging across 2 emulated nodes, {CLUSTER_RATE_MBIT} Mbit/s",
+                 lines=(1.0, 1.15))
 
 
 def cluster_section(out_dir: Path, reps: int, report_only: bool) -> str:

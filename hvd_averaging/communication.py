@@ -36,7 +36,7 @@ import horovod.torch as hvd
 import torch
 
 from .flat_storage import Packing, pack
-from .routes import NODE_AWARE_MIN_BYTES, Routes
+from .routes import Routes
 from .runtime import (bounded_collective, check_same_on_all_ranks, config_digest, guarded_enqueue,
                       members)
 from .transports import Transport
@@ -171,8 +171,7 @@ def averaging_route(process_set: Optional[hvd.ProcessSet] = None, nbytes: int = 
     """``"node-aware"`` or ``"flat"``: how a buffer of ``nbytes`` travels over ``process_set``
     now (local; call after the set was prepared or averaged over once)."""
     process_set = process_set if process_set is not None else hvd.global_process_set
-    staged = _book.routes.node_aware_sets(process_set)
-    return "node-aware" if staged is not None and nbytes >= NODE_AWARE_MIN_BYTES else "flat"
+    return "node-aware" if _book.routes.takes_node_aware(process_set, nbytes) else "flat"
 
 
 def floating_buffers(buffers) -> list[torch.Tensor]:
@@ -463,11 +462,18 @@ class DelayedAverage:
         """Let the round complete (bounded) and drop its result: before a checkpoint is loaded
         into the averager that started it (Horovod refuses a second round of the same name
         while one is in flight)."""
+        try:
+            self._wait()
+        except NonFiniteError:
+            pass
+
+    def _wait(self) -> None:
+        """Drive the round to its end, bounded by ``hva.timeout()`` counted from its start."""
         with bounded_collective(self.what, self.nbytes, started_at=self.started_at) as collective:
             try:
                 collective.drive([self._transfer])
-            except NonFiniteOnWire:
-                pass
+            except NonFiniteOnWire as error:
+                raise self._round.non_finite_error(error) from None
 
     def progress(self) -> None:
         """Launch the next stage of every transfer whose current one finished; never waits.
@@ -489,11 +495,7 @@ class DelayedAverage:
             NonFiniteError: float16 and a NaN/Inf on some rank at the start.
             HorovodInternalError: Horovod failed or shut down meanwhile.
         """
-        with bounded_collective(self.what, self.nbytes, started_at=self.started_at) as collective:
-            try:
-                collective.drive([self._transfer])
-            except NonFiniteOnWire as error:
-                raise self._round.non_finite_error(error) from None
+        self._wait()
         if not self._round.packing.still_bound():
             raise RuntimeError(
                 f"{self.what}: a tensor's .data was replaced (model.to(), load_state_dict(assign="

@@ -88,6 +88,14 @@ class Routes:
         """The set's node-aware sets, if :meth:`prepare` found any (local)."""
         return self._staged.get(process_set.process_set_id)
 
+    def takes_node_aware(self, process_set: hvd.ProcessSet, nbytes: int,
+                         node_aware: Optional[bool] = None) -> bool:
+        """Whether a round of ``nbytes`` over ``process_set`` goes node-aware (local): the set
+        must have node-aware sets; ``node_aware`` None chooses by ``NODE_AWARE_MIN_BYTES``."""
+        if self.node_aware_sets(process_set) is None:
+            return False
+        return node_aware if node_aware is not None else nbytes >= NODE_AWARE_MIN_BYTES
+
     def crosses_nodes(self, process_set: hvd.ProcessSet) -> bool:
         """Whether the set's members sit on several nodes (False while the placement is unknown)."""
         set_id = process_set.process_set_id
@@ -110,8 +118,7 @@ class Routes:
         if process_set.process_set_id == hvd.global_process_set.process_set_id:
             self.prepare(process_set)
         staged = self.node_aware_sets(process_set)
-        use_staged = staged is not None and (
-            node_aware if node_aware is not None else nbytes >= NODE_AWARE_MIN_BYTES)
+        use_staged = self.takes_node_aware(process_set, nbytes, node_aware)
         key = (process_set.process_set_id, fp16, use_staged)
         found = self._transports.get(key)
         if found is None:
