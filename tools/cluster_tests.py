@@ -14,6 +14,7 @@ in the nodes' namespaces, and what the user saw.
 
 from __future__ import annotations
 
+import re
 import tempfile
 import threading
 import time
@@ -244,7 +245,19 @@ def run_cut_link(controller: str, start_up_sets: bool) -> bool:
             ok = ok and sorted(caught) == [0, 1, 2, 3]
         elif controller == "gloo":
             # Every rank's output reaches the launcher (its ssh stand-in runs on this machine).
-            ok = ok and set(caught) | ended_by_watchdog == {0, 1, 2, 3}
+            # A rank either said what happened (its error, or the watchdog's message) or was
+            # stopped by horovodrun after a rank that said it exited first ("Terminating
+            # remaining workers after failure of Process N"): a rank that polls raises at the
+            # timeout and exits, which can come before the watchdog ends the blocked ones.
+            first = re.search(r"Terminating remaining workers after failure of Process (\d+)",
+                              outcome.output)
+            stopped_after_named = (set(range(4)) if first and int(first.group(1)) in caught
+                                   else set())
+            if stopped_after_named - set(caught) - ended_by_watchdog:
+                notes.append(f"stopped by horovodrun after rank {first.group(1)}'s named error: "
+                             f"{sorted(stopped_after_named - set(caught) - ended_by_watchdog)}")
+            ok = ok and bool(set(caught) | ended_by_watchdog) and (
+                set(caught) | ended_by_watchdog | stopped_after_named == {0, 1, 2, 3})
         else:
             # Node 1's output is behind the cut link, and mpirun stops node 0's other rank
             # when the first one exits: at least one must have said what happened.
