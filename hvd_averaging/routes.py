@@ -124,7 +124,8 @@ class Routes:
         if found is None:
             if use_staged:
                 found = NodeAware(staged.node_set, staged.rail_set, staged.ranks_per_node,
-                                  staged.nodes, rail_allreduce=not hvd.mpi_enabled())
+                                  staged.nodes, rail_allreduce=not hvd.mpi_enabled(),
+                                  whole_set=process_set)
             else:
                 found = FlatAllreduce(process_set, self.crosses_nodes(process_set))
             if fp16:

@@ -40,14 +40,18 @@ class NodeAware(Transport):
         rail_set: this rank's rail (the ranks of its local position on every node).
         ranks_per_node: members of ``node_set``.
         nodes: members of ``rail_set``.
+        whole_set: the set being averaged; a last one-element collective over it ends the round
+            on every rank together.
         rail_allreduce: cross the link with one allreduce (Gloo's is at the link's rate, its
             reduce-scatter plus allgather are slower) instead of reduce-scatter plus allgather
             (OpenMPI's allreduce is the slower one).
     """
 
     def __init__(self, node_set: Optional[hvd.ProcessSet], rail_set: hvd.ProcessSet,
-                 ranks_per_node: int, nodes: int, rail_allreduce: bool = False):
+                 ranks_per_node: int, nodes: int, rail_allreduce: bool = False,
+                 whole_set: Optional[hvd.ProcessSet] = None):
         self.rail_allreduce = rail_allreduce
+        self.whole_set = whole_set
         self.node_set = node_set
         self.rail_set = rail_set
         self.ranks_per_node = ranks_per_node
@@ -77,6 +81,13 @@ class NodeAware(Transport):
             wholes = yield [hvd.allgather_async(s, process_set=self.node_set,
                                                 name=f"{n}.node_allgather")
                             for s, n in zip(shares, names)]
+        if self.node_set is not None and self.whole_set is not None:
+            # The last stage ran inside each node, so one node can be done while another is
+            # still in it; a rank that then exits shuts Horovod down under the others (measured:
+            # node 1's ranks got "Horovod has been shut down"). One tiny collective over the
+            # whole set ends the round at once everywhere, as a flat allreduce does.
+            yield [hvd.allreduce_async_(torch.zeros(1), op=hvd.Sum, process_set=self.whole_set,
+                                        name=f"{names[0]}.end")]
         for buffer, whole in zip(buffers, wholes):
             if whole is not buffer:
                 buffer.copy_(whole)
