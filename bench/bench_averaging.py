@@ -24,8 +24,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.model_averaging import utils as torch_averaging
 
 import hvd_averaging as hva
-from hvd_averaging.communication import average_tensors
-from hvd_averaging.runtime import bounded_collective
+from hvd_averaging.rounds import average_tensors
+from hvd_averaging.deadlines import bounded_collective
 
 
 def resnet_like() -> list[tuple[int, ...]]:

@@ -22,8 +22,9 @@ import horovod.torch as hvd
 import torch
 
 import hvd_averaging as hva
-from hvd_averaging.communication import average_tensors, averaging_route
-from hvd_averaging.runtime import rank_to_node
+from hvd_averaging.rounds import average_tensors
+from hvd_averaging.routes import averaging_route
+from hvd_averaging.placement import rank_to_node
 
 from bench_averaging import slowest_rank, timed_interleaved
 

@@ -1,18 +1,28 @@
-"""hvd_averaging: PyTorch's model averaging (post-local SGD, hierarchical SGD) on Horovod.
+"""hvd_averaging: PyTorch's model averaging (post-local SGD, hierarchical SGD, DiLoCo) on Horovod.
 
-Layers, each importing only the ones before it:
-``topology`` (who averages with whom) -> ``runtime`` (Horovod start-up, process sets, placement,
-bounded waits) -> ``flat_storage`` (where averaged tensors live) -> ``transports`` (how one
-buffer travels: flat, node-aware, float16 on the wire) -> ``routes`` (which way each set takes)
--> ``communication`` (what every round does) -> ``averagers`` (when) -> ``optim`` and ``outer``
-(training integration: post-local SGD, DiLoCo) -> ``examples``.
+Layers, each importing only the ones before it (``docs/api.md`` lists what each module owns):
+
+- who: ``topology`` (groups from a placement, pure);
+- runtime: ``watchdog``, ``deadlines`` (timeouts, the watchdog), ``world`` (one Horovod world
+  and what belongs to it), ``placement`` (the node of every rank), ``process_sets`` (the
+  shared registry), ``agreement`` (cross-rank checks), ``startup`` (``init``);
+- storage and transports: ``flat_storage``, ``params``, ``traffic``, ``compression``,
+  ``transports`` (one module per way), ``routes`` (which way a set takes);
+- rounds: ``rounds`` (one round now), ``delayed`` (rounds left in flight);
+- when: ``schedule`` (pure), ``averagers``, ``hierarchical``;
+- training integration: ``optim`` (post-local SGD), ``outer`` (DiLoCo), ``elastic``;
+- ``examples``.
 """
 
-from .averagers import HierarchicalModelAverager, ModelAverager, PeriodicModelAverager
-from .communication import NonFiniteError, TrafficCounters, average_parameters, reset_traffic, traffic
+from .averagers import ModelAverager, PeriodicModelAverager
+from .deadlines import AveragingTimeoutError, set_timeout, timeout
+from .hierarchical import HierarchicalModelAverager
 from .optim import PostLocalSGD, PostLocalSGDOptimizer
 from .outer import DiLoCo, default_outer_optimizer, slowmo_outer_optimizer
-from .runtime import AveragingTimeoutError, init, local_process_set, process_set, set_timeout, timeout
+from .process_sets import local_process_set, process_set
+from .rounds import NonFiniteError, average_parameters
+from .startup import init
+from .traffic import TrafficCounters, reset_traffic, traffic
 
 __all__ = [
     "init",

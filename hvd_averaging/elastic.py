@@ -3,9 +3,10 @@
 Importing this module teaches Horovod's ``TorchState`` to hold averagers: pass one as a keyword
 and its step is saved at ``state.commit()``, restored after a failure, and broadcast from rank 0
 when workers join. When the world changes, Horovod's reset shuts Horovod down and initializes it
-again, which drops every process set (horovod#4021); the averager's sets are re-created for the
-new world at the averager's next firing step (or a ``ValueError`` says why the hierarchy no
-longer fits).
+again, which drops every process set (horovod#4021): the handler starts a new
+:class:`~hvd_averaging.world.World`, and the averager's sets are re-created for it at the
+averager's next firing step (or a ``ValueError`` says why the hierarchy no longer fits), also
+when a replaced worker left the size unchanged.
 Horovod over MPI cannot initialize again after a shutdown, so elastic runs use Gloo
 (``horovodrun --gloo`` with ``--host-discovery-script``; see ``docs/launch.md``).
 
@@ -30,7 +31,7 @@ from horovod.torch.elastic.state import StateHandler, get_handler_registry, set_
 import horovod.torch as hvd
 
 from .averagers import ModelAverager
-from .communication import forget_layout_agreements
+from .world import renew_world
 
 __all__ = ["AveragerStateHandler"]
 
@@ -50,9 +51,10 @@ class AveragerStateHandler(StateHandler):
         self.value.step = self._saved_step
 
     def sync(self) -> None:
-        """Collective, after each (re)start that syncs: take rank 0's step. (The process sets a
-        reset dropped are re-created by the averager itself at its next firing step.)"""
-        forget_layout_agreements()
+        """Collective, after each (re)start that syncs: Horovod was (re)initialized, so a new
+        :class:`~hvd_averaging.world.World` begins (the averager makes its process sets for it
+        at its next firing step, even when the world kept its size); then take rank 0's step."""
+        renew_world()
         self.value.step = hvd.broadcast_object(self.value.step, root_rank=0, name="hva.elastic.step")
         self._saved_step = self.value.step
 

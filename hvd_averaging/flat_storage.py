@@ -20,6 +20,7 @@ Local logic only: nothing here talks to other ranks.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Optional, Sequence
 
 import torch
@@ -27,7 +28,7 @@ import torch
 __all__ = ["is_dense_permutation", "DtypeSlab", "Packing", "pack"]
 
 # Horovod's torch ops carry these dtypes natively; others travel in a buffer of the mapped dtype.
-WIRE_DTYPE = {torch.bfloat16: torch.float32}
+WIRE_DTYPE = MappingProxyType({torch.bfloat16: torch.float32})
 
 
 def is_dense_permutation(shape: Sequence[int], stride: Sequence[int]) -> bool:
@@ -84,7 +85,7 @@ class Packing:
     slabs: list[DtypeSlab]
     layout: list[tuple[str, tuple[int, ...]]]
     _bound_pointers: list[tuple[torch.Tensor, int]]
-    layout_digest: Optional[int] = None  # set by the communication layer, once per packing
+    layout_digest: Optional[int] = None  # set by the rounds layer, once per packing
 
     def still_bound(self) -> bool:
         """False once any bound tensor's ``.data`` was replaced (it no longer views its slab)."""

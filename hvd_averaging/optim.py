@@ -17,8 +17,9 @@ import horovod.torch as hvd
 import torch
 
 from .averagers import ModelAverager, PeriodicModelAverager
-from .communication import average_tensors
-from .runtime import local_process_set
+from .process_sets import local_process_set
+from .rounds import average_tensors
+from .schedule import check_warmup_steps
 
 __all__ = ["PostLocalSGDOptimizer", "PostLocalSGD"]
 
@@ -99,32 +100,30 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
         self.optim.add_param_group(param_group)
 
     def state_dict(self) -> dict:
-        """The inner optimizer's state plus ``"step"`` and ``"averager"`` (to resume exactly)."""
+        """The inner optimizer's state plus ``"averager"`` (its step, config and any round in
+        flight: everything to resume exactly)."""
         state = self.optim.state_dict()
-        state["step"] = self.averager.step
         state["averager"] = self.averager.state_dict()
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore the inner optimizer and the averager (collective: every rank calls it).
 
-        A state without ``"step"`` (e.g. a plain optimizer checkpoint) warns and resets the
-        averager's step to 0.
+        Checkpoints written before the step was stored once (a top-level ``"step"``, and
+        ``"iteration"`` for :class:`PostLocalSGD`) still load. A state without any step (e.g. a
+        plain optimizer checkpoint) warns and resets the averager's step to 0.
         """
         state = dict(state_dict)
-        step = state.pop("step", None)
-        averager_state = state.pop("averager", None)
+        legacy_step = state.pop("step", None)
+        state.pop("iteration", None)  # PostLocalSGD's copy of the step in older checkpoints
+        averager_state = dict(state.pop("averager", None) or {})
         self.optim.load_state_dict(state)
-        if step is None:
-            warnings.warn(
-                "loaded optimizer state has no 'step' entry: the averager's step is reset to 0, "
-                "so the averaging schedule restarts",
-                UserWarning,
-                stacklevel=2,
-            )
-            step = 0
-        averager_state = dict(averager_state or {})
-        averager_state["step"] = step
+        if "step" not in averager_state:
+            if legacy_step is None:
+                warnings.warn(
+                    "loaded optimizer state has no averager step: the averager's step is reset "
+                    "to 0, so the averaging schedule restarts", UserWarning, stacklevel=2)
+            averager_state["step"] = legacy_step if legacy_step is not None else 0
         self.averager.load_state_dict(averager_state)
 
 
@@ -173,9 +172,7 @@ class PostLocalSGD(PostLocalSGDOptimizer):
                  local_group_size: Optional[int] = None,
                  buffers: Optional[Iterable[torch.Tensor]] = None,
                  grad_scaler: Optional[Any] = None):
-        if isinstance(start_localSGD_iter, bool) or not isinstance(start_localSGD_iter, int) \
-                or start_localSGD_iter < 0:
-            raise ValueError(f"start_localSGD_iter must be an integer >= 0, got {start_localSGD_iter!r}")
+        check_warmup_steps(start_localSGD_iter, name="start_localSGD_iter")
         if averager is None:
             averager = PeriodicModelAverager(period=4, warmup_steps=start_localSGD_iter)
         super().__init__(optimizer, averager, buffers=buffers, grad_scaler=grad_scaler)
@@ -186,7 +183,6 @@ class PostLocalSGD(PostLocalSGDOptimizer):
         self._gradient_params = [p for _, p in named]
         self.start_localSGD_iter = start_localSGD_iter
         self.post_local_gradient_allreduce = bool(post_local_gradient_allreduce)
-        self.iteration = 0
         warmup = getattr(averager, "warmup_steps", None)
         if warmup is not None and warmup < start_localSGD_iter:
             warnings.warn(
@@ -196,6 +192,11 @@ class PostLocalSGD(PostLocalSGDOptimizer):
         self.global_set = averager.process_set
         self.local_set = local_process_set(self.global_set, local_group_size) \
             if self.post_local_gradient_allreduce else None
+
+    @property
+    def iteration(self) -> int:
+        """The number of ``step()`` calls so far: the averager's step (stored once)."""
+        return self.averager.step
 
     def gradient_process_set(self, iteration: Optional[int] = None) -> Optional[hvd.ProcessSet]:
         """The set that averages gradients at ``iteration`` (default: the next one), or None."""
@@ -218,17 +219,4 @@ class PostLocalSGD(PostLocalSGDOptimizer):
             raise ValueError("PostLocalSGD.step does not take a closure: gradients must be averaged "
                              "between backward and the optimizer step")
         self._average_gradients()
-        loss = super().step()
-        self.iteration += 1
-        return loss
-
-    def state_dict(self) -> dict:
-        state = super().state_dict()
-        state["iteration"] = self.iteration
-        return state
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        state = dict(state_dict)
-        iteration = state.pop("iteration", None)
-        super().load_state_dict(state)
-        self.iteration = int(iteration) if iteration is not None else self.averager.step
+        return super().step()

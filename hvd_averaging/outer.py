@@ -21,11 +21,11 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from .averagers import HierarchicalModelAverager, ModelAverager, PeriodicModelAverager
-from .communication import collect_parameters
+from .agreement import check_same_on_all_ranks
+from .averagers import ModelAverager, PeriodicModelAverager
+from .hierarchical import HierarchicalModelAverager
 from .optim import PostLocalSGDOptimizer
-from .runtime import check_same_on_all_ranks
-from .schedule import hierarchical_period, periodic_fires
+from .params import collect_parameters
 
 __all__ = ["DiLoCo", "default_outer_optimizer", "slowmo_outer_optimizer"]
 
@@ -86,7 +86,7 @@ class DiLoCo(PostLocalSGDOptimizer):
         if not isinstance(averager, (PeriodicModelAverager, HierarchicalModelAverager)):
             raise TypeError("DiLoCo needs a PeriodicModelAverager or a HierarchicalModelAverager "
                             f"(its top level gets the outer step), got {type(averager).__name__}")
-        top_delay = averager.level_delays.get(max(averager.level_delays, default=0), 0)
+        top_delay = averager.level_delays.get(averager.top_level, 0)
         if top_delay:
             raise ValueError(f"DiLoCo with an averager whose top level has delay={top_delay}: the "
                              "outer step on a round left in flight is not supported; use delay=0 "
@@ -106,17 +106,10 @@ class DiLoCo(PostLocalSGDOptimizer):
             raise TypeError("outer_optimizer(params) must return a torch.optim.Optimizer, got "
                             f"{type(self.outer_optimizer).__name__}")
 
-    def _top_level_fires(self) -> bool:
-        averager, step = self.averager, self.averager.step
-        if isinstance(averager, PeriodicModelAverager):
-            return periodic_fires(step, averager.period, averager.warmup_steps)
-        periods = list(averager.period_group_size_dict)
-        return hierarchical_period(step, periods, averager.warmup_steps) == periods[-1]
-
     def step(self, closure=None):
         """Inner step; then the averager's round, and at its top level the outer step."""
         loss = self._inner_step(closure)
-        outer = self._top_level_fires()
+        outer = self.averager.level_at(self.averager.step) == self.averager.top_level
         averaged = {id(p) for p in collect_parameters(self.param_groups)} if outer else set()
         self.averager.average_parameters(self.param_groups, buffers=self.buffers)
         if outer:

@@ -15,11 +15,15 @@ from typing import NamedTuple, Optional
 
 import horovod.torch as hvd
 
-from .runtime import elastic_job, known_rank_to_node, members, rank_to_node, register_groups
+from .placement import known_rank_to_node, rank_to_node
+from .process_sets import members, register_groups
+from .startup import elastic_job
 from .topology import node_aware_groups
 from .transports import FlatAllreduce, Fp16Wire, NodeAware, Transport
+from .world import current_world
 
-__all__ = ["NODE_AWARE_MIN_BYTES", "NodeAwareSets", "Routes"]
+__all__ = ["NODE_AWARE_MIN_BYTES", "NodeAwareSets", "Routes", "routes", "prepare_process_set",
+           "averaging_route"]
 
 # Below this a round is latency-bound: four stages cost more than they save on the link.
 NODE_AWARE_MIN_BYTES = 1 << 20
@@ -36,17 +40,13 @@ class NodeAwareSets(NamedTuple):
 
 class Routes:
     """Per process set: whether it spans nodes and, where it can, its node-aware sets; and the
-    transports built on them (each keeps its own buffers). Forget after an elastic reset."""
+    transports built on them (each keeps its own buffers). One per world (set ids are the
+    world's)."""
 
     def __init__(self) -> None:
         self._staged: dict[int, Optional[NodeAwareSets]] = {}
         self._crosses: dict[int, bool] = {}
         self._transports: dict[tuple, Transport] = {}
-
-    def forget(self) -> None:
-        self._staged.clear()
-        self._crosses.clear()
-        self._transports.clear()
 
     def _placement(self) -> Optional[list]:
         known = known_rank_to_node()
@@ -132,3 +132,24 @@ class Routes:
                 found = Fp16Wire(found, process_set, len(members(process_set)))
             self._transports[key] = found
         return found
+
+
+def routes() -> Routes:
+    """The current world's routes."""
+    return current_world().component(Routes)
+
+
+def prepare_process_set(process_set: hvd.ProcessSet) -> None:
+    """Make ``process_set`` average node-aware where it can (register its node groups and rails).
+
+    Collective over all ranks, same order on every rank (averagers call it for their levels at
+    construction; the global set is prepared at its first round).
+    """
+    routes().prepare(process_set)
+
+
+def averaging_route(process_set: Optional[hvd.ProcessSet] = None, nbytes: int = 1 << 30) -> str:
+    """``"node-aware"`` or ``"flat"``: how a buffer of ``nbytes`` travels over ``process_set``
+    now (local; call after the set was prepared or averaged over once)."""
+    process_set = process_set if process_set is not None else hvd.global_process_set
+    return "node-aware" if routes().takes_node_aware(process_set, nbytes) else "flat"

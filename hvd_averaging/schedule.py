@@ -10,6 +10,7 @@ import warnings
 from typing import Mapping, Optional
 
 __all__ = [
+    "check_int",
     "check_positive_int",
     "check_warmup_steps",
     "check_period",
@@ -26,25 +27,24 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def check_positive_int(name: str, value) -> int:
-    """Return ``value`` if it is an integer >= 1, else raise ``ValueError`` naming it."""
+def check_int(name: str, value, minimum: int, unit: str = "") -> int:
+    """Return ``value`` if it is an integer >= ``minimum``, else raise ``ValueError`` naming it
+    (``unit`` completes "must be an integer", e.g. " number of steps")."""
     if not _is_int(value):
-        raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
+        raise ValueError(f"{name} must be an integer{unit}, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
 
 
-def check_warmup_steps(warmup_steps) -> int:
+def check_positive_int(name: str, value) -> int:
+    """Return ``value`` if it is an integer >= 1, else raise ``ValueError`` naming it."""
+    return check_int(name, value, 1)
+
+
+def check_warmup_steps(warmup_steps, name: str = "warmup_steps") -> int:
     """Return ``warmup_steps`` if it is an integer >= 0, else raise ``ValueError``."""
-    if not _is_int(warmup_steps):
-        raise ValueError(
-            f"warmup_steps must be an integer, got {warmup_steps!r} "
-            f"({type(warmup_steps).__name__})"
-        )
-    if warmup_steps < 0:
-        raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
-    return warmup_steps
+    return check_int(name, warmup_steps, 0)
 
 
 def check_period(period, *, stacklevel: int = 3) -> int:
@@ -164,10 +164,7 @@ def check_delay(delay, period: int) -> int:
     A round started at a firing step ``s`` is applied at ``s + delay``; the level's next firing
     step is ``s + period`` at the earliest, so one round per level is in flight at a time.
     """
-    if not _is_int(delay):
-        raise ValueError(f"delay must be an integer number of steps, got {delay!r} ({type(delay).__name__})")
-    if delay < 0:
-        raise ValueError(f"delay must be >= 0, got {delay}")
+    check_int("delay", delay, 0, " number of steps")
     if delay >= period:
         raise ValueError(
             f"delay {delay} must be smaller than the period {period}: a round started at a firing "

@@ -1,6 +1,6 @@
 """A watchdog outside the Python interpreter for collectives that can block where polling cannot.
 
-The library bounds its waits by polling Horovod's handles (:meth:`hvd_averaging.runtime.CollectiveRound.wait`).
+The library bounds its waits by polling Horovod's handles (:meth:`hvd_averaging.deadlines.CollectiveRound.wait`).
 That cannot bound one case: measured on the emulated cluster with the link between nodes cut,
 the main thread blocked *inside* ``hvd.allreduce_async_`` (the enqueue waits for a mutex that
 Horovod's background thread holds while it is stuck in MPI), with the GIL held, so neither the
@@ -26,7 +26,7 @@ __all__ = ["Watchdog"]
 
 _PROCESS_SCRIPT = Path(__file__).with_name("watchdog_process.py")
 # Parents that are OpenMPI's launcher daemons (see watchdog_process: ended after a fatal timeout).
-_OPENMPI_LAUNCHERS = {"mpirun", "mpiexec", "orterun", "orted", "prterun", "prted"}
+_OPENMPI_LAUNCHERS = frozenset({"mpirun", "mpiexec", "orterun", "orted", "prterun", "prted"})
 
 
 def _openmpi_launcher_pid() -> int:

@@ -330,25 +330,40 @@ def run_slow_link() -> bool:
     return ok_all
 
 
-def run_elastic_nodes(timeout_s: int) -> bool:
-    """Gloo elastic on 3 nodes: node 1 leaves at batch 10, node 2 joins at batch 30."""
-    label = "elastic Gloo across nodes: a node leaves (4 -> 2 ranks), a node joins (2 -> 4)"
+def _run_elastic(label: str, nodes: int, first_hosts: list[str], script: str, np_range: str,
+                 marker: str, timeout_s: int) -> bool:
+    """An elastic Gloo job on ``nodes`` nodes whose hosts file starts as ``first_hosts``
+    (``NODE_INDEX:SLOTS``); the script changes it and asserts on every rank (exit code 0)."""
     print(f"\n=== {label}", flush=True)
-    with tempfile.TemporaryDirectory() as tmp, Cluster(3, RATE_MBIT) as cluster:
+    with tempfile.TemporaryDirectory() as tmp, Cluster(nodes, RATE_MBIT) as cluster:
         hosts = Path(tmp) / "hosts"
-        hosts.write_text(f"{cluster.nodes[0]}:2\n{cluster.nodes[1]}:2\n")
+        hosts.write_text("".join(f"{cluster.nodes[int(i)]}:{slots}\n"
+                                 for i, slots in (h.split(":") for h in first_hosts)))
         env = launch_env(HVA_ELASTIC_HOSTS_FILE=str(hosts), HVA_ELASTIC_NODES=",".join(cluster.nodes))
-        argv = [str(BIN / "horovodrun"), "--gloo", "-np", "4", "--min-np", "2", "--max-np", "4",
-                "--network-interface", "eth0", "--host-discovery-script",
-                str(ROOT / "tests/faults/discover_hosts.sh"), _python(), "-u",
-                str(ROOT / "tests/faults/elastic_nodes.py")]
+        min_np, max_np = np_range.split("-")
+        argv = [str(BIN / "horovodrun"), "--gloo", "-np", max_np, "--min-np", min_np, "--max-np",
+                max_np, "--network-interface", "eth0", "--host-discovery-script",
+                str(ROOT / "tests/faults/discover_hosts.sh"), _python(), "-u", str(ROOT / script)]
         result = cluster.run(argv, env=env, cwd=str(ROOT), timeout_s=timeout_s)
-    ok = result.returncode == 0 and "elastic nodes ok" in result.output
-    lines = [line for line in result.output.splitlines() if "elastic nodes ok" in line
-             or ": size " in line]
+    ok = result.returncode == 0 and marker in result.output
+    lines = [line for line in result.output.splitlines() if marker in line or ": size " in line]
     print(result.output if not ok else "\n".join(lines), flush=True)
     print(f"=== {'ok' if ok else 'FAILED'}: {label} ({result.seconds:.0f} s)", flush=True)
     return ok
+
+
+def run_elastic_nodes(timeout_s: int) -> bool:
+    """Gloo elastic on 3 nodes: node 1 leaves at batch 10, node 2 joins at batch 30."""
+    return _run_elastic("elastic Gloo across nodes: a node leaves (4 -> 2 ranks), a node joins "
+                        "(2 -> 4)", 3, ["0:2", "1:2"], "tests/faults/elastic_nodes.py", "2-4",
+                        "elastic nodes ok", timeout_s)
+
+
+def run_elastic_replace(timeout_s: int) -> bool:
+    """Gloo elastic on 4 nodes: node 2's worker is replaced by one on node 3 (size 4 kept)."""
+    return _run_elastic("elastic Gloo: one worker replaced by another, 4 ranks before and after",
+                        4, ["0:2", "1:1", "2:1"], "tests/faults/elastic_replace.py", "4-4",
+                        "elastic replace ok", timeout_s)
 
 
 def run_all(bin_dir: Path, timeout_s: int) -> dict[str, bool]:
@@ -369,4 +384,5 @@ def run_all(bin_dir: Path, timeout_s: int) -> dict[str, bool]:
     results["node lost, Gloo"] = run_node_lost("gloo")
     results["slow link"] = run_slow_link()
     results["elastic across nodes"] = run_elastic_nodes(timeout_s)
+    results["elastic same-size replacement"] = run_elastic_replace(timeout_s)
     return results

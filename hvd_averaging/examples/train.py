@@ -266,7 +266,8 @@ def main(argv=None) -> int:
         print("\n" + md, flush=True)
         (args.out / "results.md").write_text(f"{task.describe()}; {size} ranks; {regime}\n\n{md}\n")
         (args.out / "results.json").write_text(json.dumps(
-            {"task": args.task, "ranks": size, "steps": args.steps, "lr": args.lr,
+            {"task": args.task, "metric": task.metric, "lower_is_better": task.lower_is_better,
+             "ranks": size, "steps": args.steps, "lr": args.lr,
              "seed": args.seed, "regime": regime, "results": results}, indent=1))
         plots = plot(results, task, args.out)
         print(f"\nwrote {args.out}/results.md, results.json, {', '.join(plots)}", flush=True)

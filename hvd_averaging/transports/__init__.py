@@ -5,7 +5,7 @@ Every way is a :class:`~.base.Transport`: ``stages(buffers, names)`` is a genera
 launches one stage's Horovod collectives, yields their handles, receives their results and
 finally returns the tensors holding the averages. :class:`~.base.Transfer` drives those stages without blocking
 (``advance``), so a round can stay in flight while training goes on. Bookkeeping (layouts,
-traffic counters, finite checks, bounded waits) is the caller's, in :mod:`hvd_averaging.communication`.
+traffic counters, finite checks, bounded waits) is the caller's, in :mod:`hvd_averaging.rounds`.
 
 - :mod:`.flat_allreduce`: one allreduce over the whole set (one node, or any set).
 - :mod:`.node_aware`: reduce-scatter inside each node, reduce-scatter and allgather between

@@ -22,7 +22,7 @@ import torch
 import hvd_averaging as hva
 import hvd_averaging.elastic  # noqa: F401  (registers the averager with TorchState)
 from elastic_step import train_step
-from hvd_averaging.runtime import members
+from hvd_averaging.process_sets import members
 
 BATCHES, LEAVE_AT, JOIN_AT = 61, 10, 30  # the last step (60) averages over all ranks
 NODES = os.environ["HVA_ELASTIC_NODES"].split(",")

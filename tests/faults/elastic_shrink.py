@@ -20,7 +20,7 @@ import torch
 import hvd_averaging as hva
 import hvd_averaging.elastic  # noqa: F401  (registers the averager with TorchState)
 from elastic_step import train_step
-from hvd_averaging.runtime import dynamic_process_sets_enabled
+from hvd_averaging.process_sets import dynamic_process_sets_enabled
 
 BATCHES, SHRINK_AT = 41, 10  # the last step (40) averages over all ranks
 

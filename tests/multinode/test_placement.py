@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import hvd_averaging as hva
-from hvd_averaging.runtime import members, rank_to_node
+from hvd_averaging.placement import rank_to_node
+from hvd_averaging.process_sets import members
 from helpers import param
 
 

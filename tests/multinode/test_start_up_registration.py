@@ -4,8 +4,8 @@ import os
 import horovod.torch as hvd
 
 import hvd_averaging as hva
-from hvd_averaging.communication import averaging_route
-from hvd_averaging.runtime import dynamic_process_sets_enabled, members, registered_process_sets
+from hvd_averaging.routes import averaging_route
+from hvd_averaging.process_sets import dynamic_process_sets_enabled, members, registered_process_sets
 
 import conftest
 from test_placement import hosts, same_host_ranks

@@ -4,7 +4,7 @@ import horovod.torch as hvd
 import pytest
 
 import hvd_averaging as hva
-from hvd_averaging.runtime import members
+from hvd_averaging.process_sets import members
 
 import conftest
 from helpers import param

@@ -115,7 +115,8 @@ def test_resume_is_bit_identical(world, rank, checkpoint_after):
     for s in range(checkpoint_after):
         train_step(param, opt, rank, s)
     saved = {"param": param.detach().clone(), "opt": opt.state_dict()}
-    assert {"step", "averager", "outer_optimizer", "global_parameters"} <= set(saved["opt"])
+    assert {"averager", "outer_optimizer", "global_parameters"} <= set(saved["opt"])
+    assert saved["opt"]["averager"]["step"] == checkpoint_after and "step" not in saved["opt"]
     param, opt = make(world, lambda: hva.PeriodicModelAverager(period=3))
     with torch.no_grad():
         param.copy_(saved["param"])

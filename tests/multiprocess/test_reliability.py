@@ -6,12 +6,14 @@ import pytest
 import torch
 
 import hvd_averaging as hva
-from helpers import expect_error_on_every_rank, gathered, param
+from helpers import OutOfBand, expect_error_on_every_rank, gathered, param
 
 
 def test_stalled_rank_times_out_naming_step_and_set(world, rank):
-    """A rank that does not reach an averaging step: the others raise within the timeout."""
+    """A rank that does not reach an averaging step: the others raise within the timeout. The
+    late rank arrives only once every other rank said it raised (a file, not a sleep)."""
     late = world - 1
+    signals = OutOfBand("stall")
     params = [param(rank)]
     averager = hva.PeriodicModelAverager(period=2)
     averager.average_parameters(params)  # step 0 fires on everyone
@@ -19,14 +21,15 @@ def test_stalled_rank_times_out_naming_step_and_set(world, rank):
     hva.set_timeout(3, exit_after=None)  # this test recovers from the stall
     try:
         if rank == late:
-            time.sleep(6)  # stalls past the others' timeout, then arrives (so the job can go on)
-            averager.average_parameters(params)
+            signals.wait_for("raised", [r for r in range(world) if r != late])
+            averager.average_parameters(params)  # arrives after the others gave up
             raised = None
         else:
             start = time.monotonic()
             with pytest.raises(hva.AveragingTimeoutError) as info:
                 averager.average_parameters(params)
             waited = time.monotonic() - start
+            signals.tell("raised")
             raised = str(info.value)
             assert 3 <= waited < 8, waited
             assert "PeriodicModelAverager step 2" in raised
@@ -34,7 +37,7 @@ def test_stalled_rank_times_out_naming_step_and_set(world, rank):
             assert "not finished after 3 s" in raised
     finally:
         hva.set_timeout(None)
-    hvd.barrier()
+    signals.close()
     statuses = hvd.allgather_object(raised is None, name="test.stall.status")
     assert statuses == [r == late for r in range(world)]
 

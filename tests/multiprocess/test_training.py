@@ -66,7 +66,8 @@ def test_periodic_parity_with_hand_computed_reference(world, rank):
     _, opt, history = run_wrapped(hva.PeriodicModelAverager(period=3, warmup_steps=2), steps)
     for step, mine in enumerate(history):
         assert torch.allclose(mine, expected[step][rank], atol=1e-6, rtol=0), step
-    assert opt.averager.step == steps == opt.state_dict()["step"]
+    assert opt.averager.step == steps == opt.state_dict()["averager"]["step"]
+    assert "step" not in opt.state_dict()  # the step is stored once, in the averager's state
 
 
 def test_hierarchical_parity_with_hand_computed_reference(world, rank):
@@ -109,7 +110,7 @@ def test_checkpoint_resume_is_bit_identical(world, kind, k):
     model, opt, _ = run_wrapped(averager(), k)
     saved_model = copy.deepcopy(model.state_dict())
     saved_opt = copy.deepcopy(opt.state_dict())
-    assert saved_opt["step"] == k
+    assert saved_opt["averager"]["step"] == k
     resumed_model = make_model()
     resumed_model.load_state_dict(saved_model)
     resumed_opt = hva.PostLocalSGDOptimizer(
@@ -122,9 +123,25 @@ def test_checkpoint_resume_is_bit_identical(world, kind, k):
 def test_missing_step_in_checkpoint_warns_and_resets():
     model, opt, _ = run_wrapped(hva.PeriodicModelAverager(period=2), 3)
     plain = torch.optim.SGD(model.parameters(), lr=0.1).state_dict()
-    with pytest.warns(UserWarning, match="no 'step' entry"):
+    with pytest.warns(UserWarning, match="no averager step"):
         opt.load_state_dict(plain)
     assert opt.averager.step == 0
+
+
+def test_checkpoint_of_the_older_layout_still_loads(world):
+    """Checkpoints written when the step was stored at the top level too (and PostLocalSGD's
+    "iteration") resume at that step."""
+    model, opt, _ = run_wrapped(hva.PeriodicModelAverager(period=2), 5)
+    old = opt.state_dict()
+    old["step"] = old["averager"].pop("step")
+    old["averager"].pop("config")
+    old["iteration"] = old["step"]
+    fresh = hva.PostLocalSGD(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                             start_localSGD_iter=0,
+                             averager=hva.PeriodicModelAverager(period=2))
+    fresh.load_state_dict(old)
+    assert fresh.averager.step == fresh.iteration == 5
+    assert hvd.allgather_object(fresh.iteration, name="test.legacy.step") == [5] * world
 
 
 def test_gradient_switch_happens_exactly_at_start(world, rank):

@@ -2,6 +2,8 @@
 within its stated bound and never turns a value into inf. Every check compares with the exact
 average of all ranks' values, gathered from the other ranks."""
 import os
+import socket
+from pathlib import Path
 
 import horovod.torch as hvd
 import pytest
@@ -9,11 +11,13 @@ import torch
 
 import hvd_averaging as hva
 from helpers import expect_error_on_every_rank, param
-from hvd_averaging.communication import averaging_route, average_tensors
+from hvd_averaging.rounds import average_tensors
+from hvd_averaging.routes import averaging_route
 from hvd_averaging.transports import Fp16Wire, NodeAware, fp16_error_bound, fp16_scale
 
 U32 = 2.0 ** -24  # float32 unit roundoff
 NUMEL = 300_007  # above the node-aware threshold (1 MiB in float32), not divisible by 2, 3 or 4
+NODES = int(os.environ.get("HVA_TEST_NODES", "1"))
 
 
 def random_params(rank, numel=NUMEL, seed=0, scale=1.0):
@@ -54,50 +58,76 @@ def drive(transport, buffer, name):
 
 def expected_route(world):
     """The emulated-cluster suites run 2 nodes x 2 ranks (HVA_TEST_NODES=2); one host otherwise."""
-    nodes = int(os.environ.get("HVA_TEST_NODES", "1"))
-    return "node-aware" if nodes > 1 and world // nodes > 1 else "flat"
+    return "node-aware" if NODES > 1 and world // NODES > 1 else "flat"
+
+
+def stages_on_this_run(world) -> bool:
+    """Node-aware stages need nodes of 2+ ranks: 4 ranks in pairs (real nodes or pairs of ranks
+    standing in for them on one host)."""
+    return world >= 4 and world % 2 == 0
+
+
+STAGES_NEED_4_RANKS = "node-aware stages need at least 2 nodes of 2 ranks: runs on 4 ranks"
+
+
+def link_sent_bytes() -> int:
+    """Bytes this node has sent on its link to the other nodes, as the kernel counts them
+    (``eth0`` of the node's network namespace, which every rank of the node shares)."""
+    for line in Path("/proc/self/net/dev").read_text().splitlines():
+        name, _, counters = line.partition(":")
+        if name.strip() == "eth0":
+            return int(counters.split()[8])  # transmit bytes
+    raise AssertionError("no eth0 in this rank's network namespace: not on an emulated node")
 
 
 def test_route_follows_the_placement_and_counts_what_crosses(world, rank):
     params = random_params(rank)
-    hva.reset_traffic()
-    hva.average_parameters(params)
+    hva.average_parameters(params)  # agreement and registration happen here, not measured below
     route = averaging_route(hvd.global_process_set, NUMEL * 4)
     assert hvd.allgather_object(route) == [expected_route(world)] * world
     # small buffers stay flat: four stages would cost more latency than they save
     assert averaging_route(hvd.global_process_set, 1000) == "flat"
+    model_bytes = NUMEL * 4 + 35 * 8
+    hvd.barrier()
+    sent_before = link_sent_bytes() if NODES > 1 else 0
+    hva.reset_traffic()
+    hva.average_parameters(params)
     counters = hva.traffic()
-    nbytes = NUMEL * 4 + 35 * 8
-    assert counters.bytes == nbytes and counters.global_allreduces == 1
-    nodes = int(os.environ.get("HVA_TEST_NODES", "1"))
+    hvd.barrier()
+    sent = link_sent_bytes() - sent_before if NODES > 1 else 0
+    assert counters.bytes == model_bytes and counters.global_allreduces == 1
+    if NODES == 1:
+        assert counters.cross_node_bytes == 0
+        return
+    hosts = hvd.allgather_object(socket.gethostname())
+    counted = hvd.allgather_object(counters.cross_node_bytes)
+    counted_here = sum(c for c, h in zip(counted, hosts) if h == socket.gethostname())
+    # Measured on the link: the counters never report less than crossed (TCP/IP headers and
+    # Horovod's own coordination add a few percent), and a node-aware round sends one model
+    # per node across (each node holds its reduced share, sent once and gathered once), where a
+    # flat ring over 2 nodes x 2 ranks sends 1.5 models.
+    slack = 0.08 * sent + 128 * 1024
+    assert sent <= counted_here + slack, (sent, counted_here)
     if route == "node-aware":
-        per_node = world // nodes
-        # both dtype buffers take the round's way; the rail carries each one's node share
-        # (and, over MPI, its rail share again for the allgather)
-        shares = [NUMEL * 4 // per_node, 35 * 8 // per_node]
-        rail_extra = [0, 0] if not hvd.mpi_enabled() else [sh // nodes for sh in shares]
-        assert counters.cross_node_bytes == sum(shares) + sum(rail_extra)
-    else:
-        assert counters.cross_node_bytes == (nbytes if nodes > 1 else 0)
+        assert 0.95 * model_bytes <= sent <= model_bytes + slack, (sent, model_bytes)
 
 
 @pytest.mark.parametrize("rail_allreduce", [False, True])
 def test_node_aware_equals_flat_within_float_reassociation(world, rank, rail_allreduce):
     """Both within (R + 2) * 2**-24 * mean_j |x_j| of the exact average, elementwise."""
+    if not stages_on_this_run(world):
+        pytest.skip(STAGES_NEED_4_RANKS)
     flat_params = random_params(rank, seed=1)
     staged_params = random_params(rank, seed=1)
     exact, mean_abs = exact_mean(flat_params[0])
     average_tensors(flat_params, node_aware=False, name="test.flat")
-    if world >= 4 and world % 2 == 0:
-        if expected_route(world) == "node-aware":
-            average_tensors(staged_params, node_aware=True, name=f"test.staged.{rail_allreduce}")
-            assert averaging_route(hvd.global_process_set, NUMEL * 4) == "node-aware"
-        else:
-            buffer = staged_params[0].detach().clone()
-            staged_params[0].data.copy_(drive(pseudo_nodes(world, rail_allreduce), buffer,
-                                              f"test.pseudo.{rail_allreduce}"))
+    if expected_route(world) == "node-aware":
+        average_tensors(staged_params, node_aware=True, name=f"test.staged.{rail_allreduce}")
+        assert averaging_route(hvd.global_process_set, NUMEL * 4) == "node-aware"
     else:
-        average_tensors(staged_params, name=f"test.staged.{rail_allreduce}")  # nothing to stage
+        buffer = staged_params[0].detach().clone()
+        staged_params[0].data.copy_(drive(pseudo_nodes(world, rail_allreduce), buffer,
+                                          f"test.pseudo.{rail_allreduce}"))
     bound = (world + 2) * U32 * mean_abs + 1e-30
     for result in (flat_params[0], staged_params[0]):
         assert bool(((result.double() - exact).abs() <= bound).all())
@@ -109,9 +139,8 @@ def test_node_aware_equals_flat_within_float_reassociation(world, rank, rail_all
 
 @pytest.mark.parametrize("rail_allreduce", [False, True])
 def test_node_aware_comes_back_in_place_for_any_length(world, rank, rail_allreduce):
-    if world < 4 or world % 2:
-        assert averaging_route(hvd.global_process_set, 1 << 30) == expected_route(world)
-        return
+    if not stages_on_this_run(world):
+        pytest.skip(STAGES_NEED_4_RANKS)
     transport = pseudo_nodes(world, rail_allreduce)
     for numel in (1, 3, world + 1, 4099):
         values = torch.arange(numel, dtype=torch.float32) * (rank + 1)
@@ -129,7 +158,7 @@ def test_fp16_wire_within_bound_and_no_inf(world, rank, node_aware):
     exact, mean_abs = exact_mean(params[0])
     absmax = max(hvd.allgather_object(float(params[0].detach().abs().max())))
     hva.reset_traffic()
-    if node_aware and world >= 4 and world % 2 == 0 and expected_route(world) == "flat":
+    if node_aware and stages_on_this_run(world) and expected_route(world) == "flat":
         wire = Fp16Wire(pseudo_nodes(world), hvd.global_process_set, world)
         out = drive(wire, params[0].detach().clone(), "test.fp16.pseudo")
         scale = wire.last_scales[0]
@@ -183,10 +212,11 @@ def test_fp16_non_finite_raises_on_every_rank_naming_the_tensor(world, rank):
 
 @pytest.mark.parametrize("kwargs", [{"compression": "fp16"}, {"compression": hvd.Compression.fp16()}])
 def test_bad_compression_raises_on_every_rank(kwargs):
+    # every rank passes the same bad value, so every rank raises the ValueError itself
     error = expect_error_on_every_rank(lambda: hva.PeriodicModelAverager(period=2, **kwargs),
-                                       (ValueError, RuntimeError))
-    assert "compression must be hvd.Compression.none or hvd.Compression.fp16" in str(error) or \
-        "raised an error" in str(error)
+                                       ValueError)
+    assert "compression must be hvd.Compression.none or hvd.Compression.fp16" in str(error)
+    assert repr(kwargs["compression"]) in str(error)
 
 
 def test_hierarchical_fp16_only_on_the_top_level(world, rank):

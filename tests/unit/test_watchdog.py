@@ -52,12 +52,12 @@ def test_exit_after_is_validated(bad):
 def test_exit_after_defaults_to_half_the_timeout_and_can_be_turned_off(monkeypatch):
     monkeypatch.delenv("HVA_EXIT_AFTER_TIMEOUT_SECONDS", raising=False)
     hva.set_timeout(12)
-    assert hva.runtime.exit_after_timeout() == 6
+    assert hva.deadlines.exit_after_timeout() == 6
     hva.set_timeout(12, exit_after=None)
-    assert hva.runtime.exit_after_timeout() is None
+    assert hva.deadlines.exit_after_timeout() is None
     hva.set_timeout(None)
     monkeypatch.setenv("HVA_EXIT_AFTER_TIMEOUT_SECONDS", "never")
-    assert hva.runtime.exit_after_timeout() is None
+    assert hva.deadlines.exit_after_timeout() is None
     monkeypatch.setenv("HVA_EXIT_AFTER_TIMEOUT_SECONDS", "-3")
     with pytest.raises(ValueError, match="HVA_EXIT_AFTER_TIMEOUT_SECONDS='-3' must be a positive"):
-        hva.runtime.exit_after_timeout()
+        hva.deadlines.exit_after_timeout()

@@ -6,7 +6,7 @@ import horovod.torch as hvd
 import pytest
 
 import hvd_averaging as hva
-from hvd_averaging.runtime import dynamic_process_sets_enabled, registered_process_sets
+from hvd_averaging.process_sets import dynamic_process_sets_enabled, registered_process_sets
 from helpers import expect_error_on_every_rank, gathered, param
 
 import conftest

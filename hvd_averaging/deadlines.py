@@ -1,0 +1,296 @@
+"""Bounded waits: the timeout of this library's collectives, the watchdog, and the exit after one.
+
+One :class:`Deadlines` object per process owns the timeout, the grace a process has after an
+:class:`AveragingTimeoutError` and the watchdog (:mod:`.watchdog`) that ends the process where
+polling cannot act. The module functions (:func:`timeout`, :func:`set_timeout`,
+:func:`bounded_collective`, :func:`guarded_enqueue`) speak to that one owner.
+"""
+
+from __future__ import annotations
+
+import atexit
+import math
+import os
+import socket
+import sys
+import time
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional
+
+import horovod.torch as hvd
+from horovod.common.exceptions import HorovodInternalError
+
+from .watchdog import Watchdog
+
+__all__ = [
+    "AveragingTimeoutError",
+    "DEFAULT_TIMEOUT_SECONDS",
+    "EXIT_CODE_AFTER_TIMEOUT",
+    "Deadlines",
+    "CollectiveRound",
+    "timeout",
+    "set_timeout",
+    "exit_after_timeout",
+    "bounded_collective",
+    "guarded_enqueue",
+]
+
+DEFAULT_TIMEOUT_SECONDS = 45.0
+EXIT_CODE_AFTER_TIMEOUT = 75  # EX_TEMPFAIL: the job may succeed when restarted from a checkpoint
+_UNSET = object()  # "not given" for set_timeout's exit_after, and "not set" for its value
+
+
+class AveragingTimeoutError(RuntimeError):
+    """A collective of this library did not complete within :func:`timeout` seconds."""
+
+
+def _seconds_from_env(variable: str, default: float) -> float:
+    raw = os.environ.get(variable)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{variable}={raw!r} is not a number of seconds") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{variable}={raw!r} must be a positive number of seconds")
+    return value
+
+
+def _check_seconds(name: str, seconds) -> float:
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not (
+            seconds > 0 and math.isfinite(seconds)):
+        raise ValueError(f"{name} must be a positive number of seconds, got {seconds!r}")
+    return float(seconds)
+
+
+def _exit_now() -> None:
+    """Last atexit handler to run after a timeout: skip Horovod's and MPI's shutdown, which
+    would wait for a background thread that is stuck."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_CODE_AFTER_TIMEOUT)
+
+
+def _stuck_grace(limit: float) -> float:
+    return max(2.0, limit / 4)
+
+
+def _whoami() -> str:
+    return f"rank {hvd.rank()} (pid {os.getpid()}, host {socket.gethostname()})"
+
+
+def _stuck_message(what: str, stuck_after: float, limit: float) -> str:
+    return (f"hvd_averaging watchdog: {_whoami()}: {what} is still blocked inside Horovod "
+            f"{stuck_after:g} s after it started, where the library's own timeout cannot act "
+            "(Horovod's background thread is stuck in a collective: a rank, a node or the link "
+            "between nodes is gone, or the link is too slow for HVA_TIMEOUT_SECONDS="
+            f"{limit:g}). Ending this process so that the launcher sees the rank end. If the link "
+            "is only slow, raise HVA_TIMEOUT_SECONDS or hva.set_timeout().")
+
+
+class CollectiveRound:
+    """One bounded collective: enqueue inside :func:`bounded_collective`, then :meth:`wait` or
+    :meth:`drive`."""
+
+    def __init__(self, what: str, limit: float, nbytes: int, started_at: Optional[float] = None):
+        self.what = what
+        self.limit = limit
+        self.nbytes = nbytes
+        self.deadline = (time.monotonic() if started_at is None else started_at) + limit
+
+    def _poll_until(self, done: Callable[[], bool]) -> None:
+        """Call ``done`` until it is true, giving up at the deadline. The pause between polls
+        grows from 50 us to 1 ms: a round that finishes quickly is not delayed, a long one
+        costs one poll per millisecond."""
+        pause = 5e-5
+        while not done():
+            if time.monotonic() > self.deadline:
+                raise AveragingTimeoutError(self._timeout_message())
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+
+    def drive(self, transfers: list) -> None:
+        """Advance every transfer (objects with ``advance() -> bool``, e.g.
+        :class:`hvd_averaging.transports.Transfer`) until all are complete.
+
+        Raises:
+            AveragingTimeoutError: not done in time.
+            HorovodInternalError: Horovod failed or shut down (named by the transfer).
+        """
+        self._poll_until(lambda: all([t.advance() for t in transfers]))
+
+    def wait(self, handles: list) -> list:
+        """``hvd.synchronize`` every handle, but give up at the round's deadline.
+
+        Horovod waits forever for a rank that stalls, and warns only after 60 s (its stall
+        shutdown is off by default and, measured here, does not act under Gloo), so this polls.
+
+        Raises:
+            AveragingTimeoutError: not done in time; names the round, this rank and what to change.
+            HorovodInternalError: Horovod failed or shut down (re-raised with the round's name
+                prepended, same type, so ``hvd.elastic.run`` still resets on it).
+        """
+        results = []
+        for handle in handles:
+            self._poll_until(lambda: hvd.poll(handle))
+            try:
+                results.append(hvd.synchronize(handle))
+            except HorovodInternalError as error:
+                raise HorovodInternalError(f"{self.what}: {error}") from error
+        return results
+
+    def _timeout_message(self) -> str:
+        rate = ""
+        if self.nbytes:
+            # a ring allreduce moves about twice the payload through each rank's link
+            needed = 2 * self.nbytes * 8 / self.limit / 1e6
+            rate = (f" Moving its {self.nbytes / 1e6:.1f} MB within {self.limit:g} s needs a link of "
+                    f"at least ~{needed:.1f} Mbit/s between nodes; on a slower link set a timeout "
+                    "that fits it (HVA_TIMEOUT_SECONDS or hva.set_timeout()).")
+        return (f"{self.what}: not finished after {self.limit:g} s on rank {hvd.rank()}: a rank of "
+                "the set died or stalled, a node or the link between nodes is gone, or ranks run "
+                "a different sequence of averaging calls or parameter lists (set "
+                "HVA_TIMEOUT_SECONDS or hva.set_timeout() if ranks may be this far apart)." + rate)
+
+
+class Deadlines:
+    """The one owner, per process, of the timeout, the exit after a timeout and the watchdog."""
+
+    def __init__(self) -> None:
+        self.timeout_seconds: Optional[float] = None  # None: HVA_TIMEOUT_SECONDS or the default
+        self.exit_after_seconds: object = _UNSET  # _UNSET: from the environment or timeout / 2
+        self.ended_by_timeout = False
+        self.watchdog = Watchdog()
+
+    def timeout(self) -> float:
+        if self.timeout_seconds is not None:
+            return self.timeout_seconds
+        return _seconds_from_env("HVA_TIMEOUT_SECONDS", DEFAULT_TIMEOUT_SECONDS)
+
+    def exit_after_timeout(self) -> Optional[float]:
+        if self.exit_after_seconds is not _UNSET:
+            return self.exit_after_seconds  # type: ignore[return-value]
+        raw = os.environ.get("HVA_EXIT_AFTER_TIMEOUT_SECONDS")
+        if raw is not None and raw.strip().lower() == "never":
+            return None
+        return _seconds_from_env("HVA_EXIT_AFTER_TIMEOUT_SECONDS", self.timeout() / 2)
+
+    def set_timeout(self, seconds: Optional[float], exit_after: object = _UNSET) -> None:
+        if seconds is not None:
+            seconds = _check_seconds("timeout", seconds)
+        if exit_after is not _UNSET and exit_after is not None:
+            exit_after = _check_seconds("exit_after", exit_after)
+        self.timeout_seconds = seconds
+        if exit_after is not _UNSET or seconds is None:
+            self.exit_after_seconds = exit_after
+
+    @contextmanager
+    def guarded_enqueue(self, what: str) -> Iterator[None]:
+        limit = self.timeout()
+        stuck_after = limit + _stuck_grace(limit)
+        self.watchdog.arm(stuck_after, _stuck_message(what, stuck_after, limit))
+        try:
+            yield
+        finally:
+            self.watchdog.disarm()
+
+    @contextmanager
+    def bounded_collective(self, what: str, nbytes: int = 0,
+                           started_at: Optional[float] = None) -> Iterator[CollectiveRound]:
+        limit = self.timeout()
+        remaining = limit if started_at is None else max(0.0, started_at + limit - time.monotonic())
+        stuck_after = remaining + _stuck_grace(limit)
+        self.watchdog.arm(stuck_after, _stuck_message(what, stuck_after, limit))
+        try:
+            yield CollectiveRound(what, limit, nbytes, started_at)
+        except AveragingTimeoutError:
+            self._after_timeout(what)  # the watchdog stays armed with the grace
+            raise
+        except BaseException:
+            self.watchdog.disarm()
+            raise
+        else:
+            self.watchdog.disarm()
+
+    def _after_timeout(self, what: str) -> None:
+        grace = self.exit_after_timeout()
+        if grace is None:
+            self.watchdog.disarm()
+            return
+        self.watchdog.arm(grace, (
+            f"hvd_averaging watchdog: {_whoami()} is still running {grace:g} s after "
+            f"AveragingTimeoutError in {what}; ending it so that the job ends "
+            "(HVA_EXIT_AFTER_TIMEOUT_SECONDS or hva.set_timeout(..., exit_after=...) gives an "
+            "except block more time)."))
+        if not self.ended_by_timeout:
+            self.ended_by_timeout = True
+            atexit.register(_exit_now)  # registered after Horovod's: runs before it
+
+
+# The one owner of this process's deadlines.
+DEADLINES = Deadlines()
+
+
+def timeout() -> float:
+    """Seconds a collective of this library may wait for the other ranks: :func:`set_timeout`,
+    else the environment variable ``HVA_TIMEOUT_SECONDS``, else 45.
+
+    Raises:
+        ValueError: ``HVA_TIMEOUT_SECONDS`` is not a positive number.
+    """
+    return DEADLINES.timeout()
+
+
+def exit_after_timeout() -> Optional[float]:
+    """Seconds a process may go on after an :class:`AveragingTimeoutError` (its ``except`` block
+    saving a checkpoint) before the watchdog ends it; None: never. Default: half the timeout,
+    so that a job whose link or node is gone is over within twice the timeout. Set by
+    :func:`set_timeout` or ``HVA_EXIT_AFTER_TIMEOUT_SECONDS`` (a number, or ``never``)."""
+    return DEADLINES.exit_after_timeout()
+
+
+def set_timeout(seconds: Optional[float], *, exit_after: object = _UNSET) -> None:
+    """Set the timeout of this library's collectives, in seconds, for this process (None: back
+    to ``HVA_TIMEOUT_SECONDS`` or the default). Raise it when ranks may legitimately arrive far
+    apart (one rank writing a large checkpoint while the others reach the next averaging step)
+    or when the link between nodes is slow: a round must move its bytes within it.
+
+    ``exit_after``: seconds this process may go on after an :class:`AveragingTimeoutError`
+    before the watchdog ends it (None: never, for code that recovers from a stalled rank; the
+    default is half the timeout). After a timeout Horovod's background thread may be stuck
+    for good, and its shutdown at exit with it; the process then exits with code
+    :data:`EXIT_CODE_AFTER_TIMEOUT` as soon as Python finishes.
+
+    Raises:
+        ValueError: ``seconds`` or ``exit_after`` is not a positive finite number.
+
+    Example::
+
+        >>> hva.set_timeout(120)                      # a slow link: rounds may take long
+        >>> hva.set_timeout(3, exit_after=None)       # code that recovers from a stalled rank
+    """
+    DEADLINES.set_timeout(seconds, exit_after)
+
+
+def guarded_enqueue(what: str):
+    """Launch collectives whose wait comes later (a round left in flight while training goes
+    on): only the enqueue is bounded here, by the watchdog, since Horovod may block it (its
+    process-set lock during dynamic-set coordination); :func:`bounded_collective` with
+    ``started_at`` bounds the wait."""
+    return DEADLINES.guarded_enqueue(what)
+
+
+def bounded_collective(what: str, nbytes: int = 0, started_at: Optional[float] = None):
+    """Bound one collective of this library, enqueue included (a context manager yielding a
+    :class:`CollectiveRound`).
+
+    Polling (:meth:`CollectiveRound.wait` or :meth:`~CollectiveRound.drive`) raises
+    :class:`AveragingTimeoutError` after :func:`timeout` seconds, counted from ``started_at``
+    (a ``time.monotonic()`` value: when a round left in flight was launched) or from now.
+    Where polling cannot run (the enqueue itself blocked inside Horovod), the watchdog ends
+    this process a little later, naming ``what``. After a timeout the process has
+    :func:`exit_after_timeout` seconds left (an ``except`` block may save a checkpoint), then
+    the watchdog ends it; at a normal exit it skips Horovod's shutdown.
+    """
+    return DEADLINES.bounded_collective(what, nbytes, started_at)

@@ -1,0 +1,235 @@
+"""Averaging overlapped with training: rounds left in flight (``delay`` in the averagers).
+
+A :class:`DelayedAverage` is one round: at its start the tensors' values are copied into a
+snapshot and the snapshot's average is launched; training goes on while its stages move on
+Horovod's background thread, and at the apply step every tensor becomes
+``average(snapshot) + (tensor - snapshot)``. :class:`DelayedRounds` is what an averager keeps:
+at most one round in flight per level, when each is due, and their checkpoint form.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Mapping, Optional
+
+import horovod.torch as hvd
+import torch
+
+from .agreement import check_same_on_all_ranks
+from .deadlines import bounded_collective, guarded_enqueue
+from .rounds import NonFiniteError, Round, begin_round
+
+__all__ = ["DelayedAverage", "start_delayed_average", "DelayedRounds"]
+
+
+def _reused_like(buffers: dict, key: tuple, like: torch.Tensor) -> torch.Tensor:
+    found = buffers.get(key)
+    if found is None or found.shape != like.shape or found.dtype != like.dtype \
+            or found.device != like.device:
+        found = buffers[key] = torch.empty_like(like)
+    return found
+
+
+class DelayedAverage:
+    """One averaging round left in flight while training goes on.
+
+    :meth:`progress` (called once per training step, never waits) keeps its stages moving;
+    :meth:`apply` waits for the rest (bounded by ``hva.timeout()`` counted from the start) and
+    sets every tensor to ``average(snapshot) + (tensor - snapshot)``: the average of the models
+    at the start plus the local progress made since.
+
+    Memory: the snapshot (one copy of the tensors, in the dtype they travel in) and the buffer
+    the average arrives in (another copy, or half of one in float16), held only while in flight.
+    """
+
+    def __init__(self, round_: Round, buffers: dict, snapshots: Optional[list[torch.Tensor]]):
+        self._round = round_
+        self.what = round_.what
+        self._snapshots = []
+        wires = []
+        for index, slab in enumerate(round_.packing.slabs):
+            snapshot = _reused_like(buffers, ("snapshot", index), slab.flat)
+            snapshot.copy_(snapshots[index] if snapshots is not None else slab.flat)
+            self._snapshots.append(snapshot)
+            wire = _reused_like(buffers, ("wire", index), slab.flat)
+            wire.copy_(snapshot)
+            wires.append(wire)
+        transport = round_.transport()
+        self.nbytes = round_.count(transport, wires)
+        self.started_at = time.monotonic()
+        with guarded_enqueue(self.what):
+            self._transfer = transport.start(wires, round_.op_names(), self.what)
+
+    @property
+    def layout_digest(self) -> int:
+        return self._round.packing.layout_digest
+
+    def snapshots(self) -> list[torch.Tensor]:
+        """Copies of the snapshot buffers (one per dtype), for a checkpoint."""
+        return [s.clone() for s in self._snapshots]
+
+    def finish_without_applying(self) -> None:
+        """Let the round complete (bounded) and drop its result: before a checkpoint is loaded
+        into the averager that started it (Horovod refuses a second round of the same name
+        while one is in flight)."""
+        try:
+            self._wait()
+        except NonFiniteError:
+            pass
+
+    def _wait(self) -> None:
+        """Drive the round to its end, bounded by ``hva.timeout()`` counted from its start."""
+        with bounded_collective(self.what, self.nbytes, started_at=self.started_at) as collective, \
+                self._round.naming_non_finite():
+            collective.drive([self._transfer])
+
+    def progress(self) -> None:
+        """Launch the next stage of every transfer whose current one finished; never waits.
+        Costs one poll per dtype buffer while stages run; the watchdog is armed only around
+        launches."""
+        if not self._transfer.ready():
+            return
+        with guarded_enqueue(self.what), self._round.naming_non_finite():
+            self._transfer.advance()
+
+    def apply(self) -> None:
+        """Wait for the average (bounded), then ``tensor = average + (tensor - snapshot)``.
+
+        Raises:
+            AveragingTimeoutError: not finished within ``hva.timeout()`` of its start.
+            NonFiniteError: float16 and a NaN/Inf on some rank at the start.
+            HorovodInternalError: Horovod failed or shut down meanwhile.
+        """
+        self._wait()
+        if not self._round.packing.still_bound():
+            raise RuntimeError(
+                f"{self.what}: a tensor's .data was replaced (model.to(), load_state_dict(assign="
+                "True)) while its round was in flight, so the round cannot be applied to it")
+        with torch.no_grad():
+            for slab, snapshot, average in zip(self._round.packing.slabs, self._snapshots,
+                                               self._transfer.result):
+                slab.copy_in()  # tensors copied through their slot moved on since the start
+                torch.sub(slab.flat, snapshot, out=snapshot)  # the local progress
+                slab.flat.copy_(average)
+                slab.flat.add_(snapshot)
+                slab.copy_out()
+
+
+def start_delayed_average(
+    tensors: list[torch.Tensor],
+    process_set: Optional[hvd.ProcessSet] = None,
+    *,
+    buffers: dict,
+    op_tag: str,
+    name: str = "params",
+    check_finite: bool = False,
+    context: str = "averaging",
+    compression=None,
+    node_aware: Optional[bool] = None,
+    snapshots: Optional[list[torch.Tensor]] = None,
+    snapshot_layout: Optional[int] = None,
+) -> Optional[DelayedAverage]:
+    """Start averaging ``tensors`` over ``process_set`` and return without waiting (collective).
+
+    ``buffers`` is the caller's dict where the round's snapshot and wire buffers are kept for
+    the next round (one round in flight per dict); ``op_tag`` tells its collectives apart from
+    other rounds over the same tensors. ``snapshots`` and ``snapshot_layout`` (from
+    :meth:`DelayedAverage.snapshots` and ``layout_digest``) restart a round from a checkpoint:
+    the same snapshot is averaged again, so the result is the one the interrupted round would
+    have given. Returns None where :func:`~hvd_averaging.rounds.average_tensors` would move
+    nothing. Raises what it raises before data moves, and ``ValueError`` (on every member) when
+    ``snapshots`` do not fit the tensors.
+    """
+    round_ = begin_round(tensors, process_set, name=name, bind=True, check_finite=check_finite,
+                         context=context, compression=compression, node_aware=node_aware)
+    if round_ is None:
+        return None
+    round_.op_tag = op_tag
+    if snapshots is not None:
+        slabs = round_.packing.slabs
+        fits = snapshot_layout == round_.packing.layout_digest and len(snapshots) == len(slabs) \
+            and all(s.shape == slab.flat.shape and s.dtype == slab.flat.dtype
+                    for s, slab in zip(snapshots, slabs))
+        error = None if fits else ValueError(
+            f"{round_.what}: the checkpoint's in-flight snapshot does not fit these tensors "
+            "(different parameters, shapes or dtypes than when it was saved)")
+        check_same_on_all_ranks(f"{round_.what} snapshot from the checkpoint", True,
+                                local_error=error, process_set=round_.process_set,
+                                name=f"hva.snapshot.{round_.process_set.process_set_id}.{name}")
+    return DelayedAverage(round_, buffers, snapshots)
+
+
+class DelayedRounds:
+    """An averager's delayed levels: ``{period: delay}``, the round in flight per level with the
+    step it is due at, and rounds read from a checkpoint, restarted at the next call.
+
+    ``start_round(level, fired_at, saved)`` is the averager's way to launch a level's round
+    (it knows the tensors and sets); it returns the round or None.
+    """
+
+    def __init__(self, delays: Mapping[int, int]) -> None:
+        self.delays = dict(delays)
+        self.buffers: dict[int, dict] = {}
+        self._in_flight: dict[int, tuple[int, DelayedAverage]] = {}
+        self._to_restart: dict[int, dict] = {}
+
+    def delayed(self, level: int) -> bool:
+        return bool(self.delays.get(level))
+
+    @property
+    def active(self) -> bool:
+        return bool(self._in_flight or self._to_restart)
+
+    def launched(self, level: int, fired_at: int, round_: Optional[DelayedAverage]) -> None:
+        if round_ is not None:
+            self._in_flight[level] = (fired_at + self.delays[level], round_)
+
+    def advance(self, step: int, restart: Callable[[int, dict], None]) -> None:
+        """Restart rounds read from a checkpoint (``restart(level, saved)``), apply those due at
+        ``step``, keep the others moving (a poll each: no waiting)."""
+        for level, saved in sorted(self._to_restart.items()):
+            del self._to_restart[level]
+            restart(level, saved)
+        for level, (apply_at, round_) in sorted(self._in_flight.items()):
+            if step >= apply_at:
+                del self._in_flight[level]
+                round_.apply()
+            else:
+                round_.progress()
+
+    def drop(self) -> None:
+        """Forget every round: their collectives died with the world they ran in."""
+        self._in_flight.clear()
+        self._to_restart.clear()
+
+    def state(self) -> dict[int, dict]:
+        """The rounds in flight as a checkpoint holds them (fired step, layout, snapshots)."""
+        saved: dict[int, Any] = {
+            level: {"fired_at": apply_at - self.delays[level], "layout": r.layout_digest,
+                    "snapshots": r.snapshots()}
+            for level, (apply_at, r) in self._in_flight.items()}
+        saved.update(self._to_restart)
+        return saved
+
+    def load(self, in_flight, step: int) -> None:
+        """Finish the rounds in flight without applying them, then take the checkpoint's, if
+        they fit the delays and ``step`` (the same on every rank: the step was agreed on).
+
+        Raises:
+            ValueError: a saved round does not fit this averager at ``step``.
+        """
+        for _, round_ in self._in_flight.values():
+            round_.finish_without_applying()
+        self._in_flight.clear()
+        if not isinstance(in_flight, Mapping):
+            raise ValueError(f"state_dict['in_flight'] must be a dict, got {type(in_flight).__name__}")
+        checked = {}
+        for level, saved in in_flight.items():
+            delay = self.delays.get(level, 0)
+            fired_at = saved.get("fired_at") if isinstance(saved, Mapping) else None
+            if not delay or not isinstance(fired_at, int) or not fired_at < step <= fired_at + delay:
+                raise ValueError(
+                    f"state_dict['in_flight'][{level!r}] (fired at {fired_at!r}) does not fit this "
+                    f"averager at step {step} (delays per level {self.delays})")
+            checked[level] = dict(saved)
+        self._to_restart = checked

@@ -1,0 +1,129 @@
+"""Hierarchical SGD: groups of different sizes average at different periods."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+import horovod.torch as hvd
+
+from .averagers import ModelAverager
+from .compression import compression_name
+from .delayed import DelayedRounds
+from .placement import rank_to_node
+from .process_sets import members, register_groups
+from .schedule import check_warmup_steps, hierarchical_period, level_delays, level_values, normalize_hierarchy
+from .topology import hierarchy_groups
+
+__all__ = ["HierarchicalModelAverager"]
+
+
+class HierarchicalModelAverager(ModelAverager):
+    r"""Hierarchical model averaging (`hierarchical SGD <https://arxiv.org/pdf/2010.12998.pdf>`_).
+
+    Groups of different sizes average with different periods: e.g. ``{2: 4, 16: 8}`` on 8 ranks
+    averages each node of 4 every 2 steps and everyone every 16. At step ``s >= warmup_steps``,
+    of the periods that divide ``s`` the largest one's group averages (one collective at most).
+
+    Groups follow the nodes: a level's groups are contiguous blocks of ranks in node-major
+    order, found with MPI's shared-memory communicator split (or Horovod's host information under
+    Gloo), so a level of a node's size is exactly the node-local group. A group must stay inside
+    one node or be made of whole nodes. Every group of every level is registered as a Horovod
+    process set on every rank (shared through :func:`hvd_averaging.process_set`).
+
+    Args:
+        period_group_size_dict: ``period -> group size``, keys in any order. Sizes must not
+            decrease with the period, each must divide the next larger one and the process set
+            size, and the largest period's size must be the process set size.
+        warmup_steps (int): steps before the first averaging, >= 0.
+        process_set: the set that averages (default: all ranks).
+        delay: an int delays the top level (across nodes) as in :class:`PeriodicModelAverager`;
+            ``{period: delay}`` delays the levels named, each ``< period``. A delayed level's
+            round stays in flight while lower levels average as scheduled; at its apply step it
+            adds ``average(snapshot) - snapshot`` to the parameters. Default 0.
+        compression: ``hvd.Compression.fp16`` for every level, or ``{period: compression}`` for
+            the levels named (e.g. only the top level, the one that crosses the link).
+
+    Attributes:
+        period_process_set_dict: ``period -> hvd.ProcessSet`` of this rank's group at that
+            level (ascending periods; empty on ranks outside ``process_set``).
+
+    Example::
+
+        >>> import hvd_averaging as hva
+        >>> hva.init(group_sizes=[2])  # the pairs registered at start-up (or hva.init(): dynamic)
+        >>> # 4 ranks: pairs every 2 steps, everyone every 8, from step 100 on
+        >>> averager = hva.HierarchicalModelAverager({2: 2, 8: 4}, warmup_steps=100)
+        >>> for step in range(200):
+        ...     optimizer.zero_grad()
+        ...     loss_fn(model(inputs), labels).backward()
+        ...     optimizer.step()
+        ...     averager.average_parameters(model.parameters())
+    """
+
+    def __init__(self, period_group_size_dict: Optional[Mapping[int, int]] = None,
+                 warmup_steps: int = 0, process_set: Optional[hvd.ProcessSet] = None, *,
+                 delay=0, compression=None, check_finite: bool = False):
+        super().__init__(process_set, check_finite=check_finite)
+        error = None
+        hierarchy: dict[int, int] = {}
+        try:
+            hierarchy = normalize_hierarchy(period_group_size_dict, len(members(self.process_set)),
+                                            stacklevel=3)
+            check_warmup_steps(warmup_steps)
+            periods = list(hierarchy)
+            self._delayed = DelayedRounds(level_delays(delay, periods))
+            self._compression = {p: compression_name(c) for p, c in
+                                 level_values(compression, periods, "compression", None).items()}
+        except ValueError as e:
+            error = e
+        self.warmup_steps = warmup_steps
+        self.period_group_size_dict = hierarchy
+        self._periods = list(hierarchy)
+        self.period_process_set_dict: dict[int, hvd.ProcessSet] = {}
+        self._agree_and_register(error)
+
+    def level_at(self, step: int) -> Optional[int]:
+        return hierarchical_period(step, self._periods, self.warmup_steps)
+
+    @property
+    def top_level(self) -> int:
+        return self._periods[-1]
+
+    def _register_sets(self) -> None:
+        """Register every group of every level (collective) and keep this rank's."""
+        hierarchy = self.period_group_size_dict
+        levels = hierarchy_groups(members(self.process_set), rank_to_node(), list(hierarchy.values()))
+        self.period_process_set_dict = {}
+        for period, groups in zip(hierarchy, levels):
+            mine = register_groups(self.process_set, groups)
+            if mine is not None:
+                self.period_process_set_dict[period] = mine
+        self._prepare_sets(levels)
+
+    def _level_set(self, level: int) -> Optional[hvd.ProcessSet]:
+        return self.period_process_set_dict.get(level)
+
+    def _rebuild_for_world(self) -> None:
+        """After an elastic reset: the largest level becomes the new world, the smaller levels
+        keep their sizes (their groups are registered again by :meth:`_follow_world`).
+
+        Raises:
+            ValueError: the smaller levels do not fit the new world size (on every rank).
+        """
+        super()._rebuild_for_world()
+        world = hvd.size()
+        resized = dict(self.period_group_size_dict)
+        resized[self._periods[-1]] = world
+        try:
+            hierarchy = normalize_hierarchy(resized, world)
+        except ValueError as error:
+            raise ValueError(
+                f"after the elastic reset the world has {world} ranks and the hierarchy "
+                f"{self.period_group_size_dict} does not fit it ({error}); choose group sizes "
+                "that divide every world size the job may shrink or grow to") from None
+        self.period_group_size_dict = hierarchy
+
+    def _config(self) -> dict[str, Any]:
+        return {"period_group_size_dict": self.period_group_size_dict,
+                "warmup_steps": self.warmup_steps, "delays": self._delayed.delays,
+                "compression": self._compression, **super()._config()}

@@ -1,0 +1,242 @@
+"""Averaging rounds: what every round does whichever way its tensors travel.
+
+A round packs the tensors (:mod:`.flat_storage`: one flat buffer per dtype that parameters view
+into, so nothing is copied per round), checks them, agrees on their layout across the set,
+counts traffic (:mod:`.traffic`), takes the way its set travels (:mod:`.routes`) and bounds the
+wait (:mod:`.deadlines`). :func:`average_tensors` finishes the round before returning;
+:mod:`.delayed` leaves one in flight while training goes on.
+
+Design, chosen because of Horovod 0.28.1 hazards (``shared/horovod-hazards``): grouped
+collectives share one group-id counter per process across all process sets, so a grouped call on
+a subset of ranks makes a later grouped call on another set hang; and a grouped call after a used
+set was removed hangs too. Plain ``*_async`` collectives have neither problem. So there is one
+chain of collectives per dtype, never one per tensor, all dtype buffers are in flight at once,
+and each collective has a stable name so Horovod's response cache hits step after step.
+bfloat16 (absent from Horovod's torch ops, horovod#4047) travels as float32.
+
+Ranks must agree on what they average, or Horovod hangs (a dtype only some ranks have) or
+silently averages unrelated tensors (equal sizes, different shapes). One small allgather compares
+a digest of the layout (dtypes, shapes) across the set the first time a list of tensors is
+averaged over a set, and whenever the list or its layout changes; rounds over the same tensors
+add no collective. (A list that changes on some ranks only is caught by the timeout.)
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import horovod.torch as hvd
+import torch
+
+from .agreement import check_same_on_all_ranks, config_digest
+from .compression import wire_is_fp16
+from .deadlines import bounded_collective
+from .flat_storage import Packing, pack
+from .params import TensorsLike, check_local_layout, collect_parameters, first_non_finite
+from .process_sets import members
+from .routes import routes
+from .traffic import count_round
+from .transports import Transport
+from .transports.fp16_wire import NonFiniteOnWire
+from .world import current_world
+
+__all__ = ["NonFiniteError", "Round", "begin_round", "average_tensors", "average_parameters"]
+
+_MAX_PACKINGS = 8
+
+
+class NonFiniteError(ValueError):
+    """A tensor to average holds NaN or Inf (raised with ``check_finite=True``, and always
+    before a float16 round, where it would make the scale meaningless)."""
+
+
+class RoundBook:
+    """What rounds of one world share on this rank: packings and the layouts agreed per set."""
+
+    def __init__(self) -> None:
+        self.packings: dict[tuple, Packing] = {}  # by (name, tensor identities), at most a few
+        self.reused: dict[str, dict] = {}  # per name, for tensors copied through (gradients)
+        self.agreed_layouts: dict[tuple, int] = {}  # (set id, name) -> layout digest agreed on
+
+    def cached_packing(self, tensors: list[torch.Tensor], name: str, bind: bool) -> Optional[Packing]:
+        """The packing made for exactly these tensors, if they still live in it."""
+        if not bind:
+            return None
+        packing = self.packings.get((name, tuple(id(t) for t in tensors)))  # holds them: ids stay theirs
+        return packing if packing is not None and packing.still_bound() else None
+
+    def new_packing(self, tensors: list[torch.Tensor], name: str, bind: bool) -> Packing:
+        if not bind:
+            return pack(tensors, bind=False, reuse=self.reused.setdefault(name, {}))
+        packing = pack(tensors, bind=True)
+        key = (name, tuple(id(t) for t in tensors))
+        self.packings.pop(key, None)
+        self.packings[key] = packing
+        while len(self.packings) > _MAX_PACKINGS:
+            self.packings.pop(next(iter(self.packings)))
+        return packing
+
+
+@dataclass
+class Round:
+    """A round whose tensors are packed, checked and agreed on, ready to travel."""
+
+    packing: Packing
+    process_set: hvd.ProcessSet
+    set_ranks: list[int]
+    name: str
+    what: str
+    fp16: bool
+    node_aware: Optional[bool]
+    op_tag: str = ""  # tells apart rounds over the same tensors in flight at once
+
+    def transport(self) -> Transport:
+        nbytes = sum(slab.flat.numel() * slab.flat.element_size() for slab in self.packing.slabs)
+        return routes().transport(self.process_set, nbytes, fp16=self.fp16,
+                                  node_aware=self.node_aware)
+
+    def op_names(self) -> list[str]:
+        """One stable name per dtype buffer (Horovod's response cache hits round after round)."""
+        prefix = f"hva.{self.process_set.process_set_id}.{self.name}{self.op_tag}"
+        return [f"{prefix}.{str(slab.dtype).replace('torch.', '')}" for slab in self.packing.slabs]
+
+    def count(self, transport: Transport, buffers: list[torch.Tensor]) -> int:
+        """Count the round in the traffic counters; its payload bytes as they travel."""
+        nbytes = transport.wire_bytes(buffers)
+        count_round(len(self.set_ranks) == hvd.size(), nbytes, transport.cross_node_bytes(buffers))
+        return nbytes
+
+    @contextmanager
+    def naming_non_finite(self) -> Iterator[None]:
+        """Turn a transport's NaN/Inf verdict (agreed on by every rank) into a
+        :class:`NonFiniteError` that names the tensor on the rank that has it."""
+        try:
+            yield
+        except NonFiniteOnWire as error:
+            where = first_non_finite(self.packing) if error.rank == hvd.rank() else None
+            raise NonFiniteError(f"{self.what}: " + (
+                f"{where}; a float16 round cannot scale it" if where else
+                f"rank {error.rank} holds NaN/Inf (see its error); nothing was averaged")) from None
+
+
+def begin_round(tensors: list[torch.Tensor], process_set: Optional[hvd.ProcessSet], *, name: str,
+                bind: bool, check_finite: bool, context: str, compression,
+                node_aware: Optional[bool]) -> Optional[Round]:
+    """Pack, check and agree on ``tensors`` (collective over the set); None when there is nothing
+    to move (this rank is outside the set, the set has one rank, or the list is empty)."""
+    fp16 = wire_is_fp16(compression)
+    process_set = process_set if process_set is not None else hvd.global_process_set
+    if not process_set.included():
+        return None
+    book = current_world().component(RoundBook)
+    set_id = process_set.process_set_id
+    set_ranks = members(process_set)
+    what = f"{context} over process set {set_ranks} ({name!r}, {len(tensors)} tensors)"
+    local_error = None
+    packing = book.cached_packing(tensors, name, bind)
+    new_list = packing is None and bind  # a list seen for the first time (or re-bound) is checked
+    if packing is None:
+        try:
+            check_local_layout(tensors)
+            packing = book.new_packing(tensors, name, bind)
+        except (TypeError, ValueError) as error:
+            local_error = error
+    if packing is not None:
+        if packing.layout_digest is None:
+            packing.layout_digest = config_digest(packing.layout)
+        for slab in packing.slabs:
+            slab.copy_in()
+        if check_finite and len(set_ranks) > 1:
+            where = first_non_finite(packing)
+            if where is not None:
+                local_error = NonFiniteError(
+                    f"{what}: {where}; refusing to average it into every rank's model")
+    agreed_key = (set_id, name)
+    layout_digest = packing.layout_digest if packing is not None else None
+    if (local_error is not None or check_finite or new_list
+            or book.agreed_layouts.get(agreed_key) != layout_digest):
+        dtypes = sorted({str(t.dtype).replace("torch.", "") for t in tensors})
+        check_same_on_all_ranks(
+            f"the tensors of {what}",
+            layout_digest,
+            local_error=local_error,
+            process_set=process_set,
+            name=f"hva.layout.{set_id}.{name}",
+            summary=f"{len(tensors)} tensors ({sum(t.numel() for t in tensors)} elements, dtypes {dtypes})")
+        book.agreed_layouts[agreed_key] = layout_digest
+    if not tensors or len(set_ranks) == 1:
+        return None
+    return Round(packing, process_set, set_ranks, name, what, fp16, node_aware)
+
+
+def average_tensors(
+    tensors: list[torch.Tensor],
+    process_set: Optional[hvd.ProcessSet] = None,
+    *,
+    name: str = "params",
+    bind: bool = True,
+    check_finite: bool = False,
+    context: str = "averaging",
+    compression=None,
+    node_aware: Optional[bool] = None,
+) -> None:
+    """Replace every tensor by its mean over ``process_set``, in place.
+
+    Collective over the members of ``process_set``; a rank outside it returns at once. Tensors
+    keep their identity, dtype, shape, memory layout and device. With ``bind`` (the default) the
+    tensors are moved into reused flat per-dtype storage on the first call (see
+    :mod:`hvd_averaging.flat_storage`), so later calls copy nothing; pass ``bind=False`` for
+    tensors that are replaced every step (gradients). ``context`` names the round in errors
+    (e.g. the averager and step).
+
+    ``compression=hvd.Compression.fp16`` sends float16 on the wire, scaled so that nothing
+    overflows (:mod:`hvd_averaging.transports.fp16_wire` states the error bound).
+    ``node_aware``: None lets the set's placement choose (node-aware stages across nodes with
+    several ranks each, for buffers of at least 1 MiB; see :mod:`hvd_averaging.routes`), False
+    forces one flat allreduce, True node-aware stages wherever the set allows them.
+
+    Raises:
+        ValueError / TypeError: mixed devices, sparse or integer tensors, on the rank that has
+            them; the other members raise ``RuntimeError`` naming that rank (no hang). A bad
+            ``compression`` (on every rank, before any collective).
+        RuntimeError: the count, dtypes or shapes differ across the set (raised on every member).
+        NonFiniteError: with ``check_finite``, a tensor holds NaN/Inf on this rank (checked
+            before any data moves; the other members raise ``RuntimeError`` naming this rank);
+            with float16, a NaN/Inf on any rank (raised on every member).
+        AveragingTimeoutError: the round did not finish within ``hva.timeout()`` seconds.
+        HorovodInternalError: Horovod failed or was shut down during the round.
+    """
+    round_ = begin_round(tensors, process_set, name=name, bind=bind, check_finite=check_finite,
+                         context=context, compression=compression, node_aware=node_aware)
+    if round_ is None:
+        return
+    slabs = round_.packing.slabs
+    buffers = [slab.flat for slab in slabs]
+    transport = round_.transport()
+    nbytes = round_.count(transport, buffers)
+    with bounded_collective(round_.what, nbytes) as collective, round_.naming_non_finite():
+        collective.drive([transport.start(buffers, round_.op_names(), round_.what)])
+    for slab in slabs:
+        slab.copy_out()
+
+
+def average_parameters(params: TensorsLike, process_set: Optional[hvd.ProcessSet] = None, *,
+                       check_finite: bool = False, compression=None) -> None:
+    """Average parameters (or an optimizer's param groups) over ``process_set`` now, in place.
+
+    The one-shot utility behind the averagers: collective over the members of ``process_set``
+    (default: Horovod's global set); other ranks return at once. Across nodes with several
+    ranks each it averages node-aware; ``compression=hvd.Compression.fp16`` halves the bytes
+    on the wire (see :func:`average_tensors`).
+
+    Example::
+
+        >>> import hvd_averaging as hva
+        >>> hva.init()
+        >>> hva.average_parameters(model.parameters())
+        >>> hva.average_parameters(model.parameters(), compression=hvd.Compression.fp16)
+    """
+    average_tensors(collect_parameters(params), process_set, check_finite=check_finite,
+                    compression=compression)

@@ -1,0 +1,116 @@
+"""Starting Horovod for averaging: :func:`init`, and the placement known before it starts.
+
+``hva.init(group_sizes=...)`` registers the hierarchy's groups as Horovod starts, which needs
+the node of every rank before Horovod exists: over MPI from a shared-memory split of the
+communicator, under ``horovodrun --gloo`` on one host from the launcher's variables.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Hashable, Optional, Sequence
+
+import horovod.torch as hvd
+
+from .placement import mpi_placement, rank_to_node, this_host
+from .topology import static_groups
+from .world import start_world
+
+__all__ = ["init", "elastic_job"]
+
+
+def elastic_job() -> bool:
+    """True inside ``horovodrun`` elastic jobs (Horovod sets ``HOROVOD_ELASTIC=1``)."""
+    return os.environ.get("HOROVOD_ELASTIC", "") == "1"
+
+
+def _gloo_controller() -> bool:
+    return os.environ.get("HOROVOD_CONTROLLER", "").strip().lower() == "gloo"
+
+
+def _world_size_before_start(comm) -> int:
+    if _gloo_controller():
+        return int(os.environ.get("HOROVOD_SIZE", "1"))
+    if comm is None:
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+    return comm.Get_size()
+
+
+def _placement_before_start(comm) -> tuple[Optional[list[Hashable]], str]:
+    """Node of every rank, known before Horovod starts, or (None, why not). The decision is the
+    same on every rank: it depends only on what the launcher gave every rank alike."""
+    if elastic_job():
+        return None, "an elastic job's reset drops every process set registered at start-up"
+    if _gloo_controller():
+        size = int(os.environ.get("HOROVOD_SIZE", "1"))
+        # One host holds every rank exactly when this rank's host does, so all ranks agree.
+        if int(os.environ.get("HOROVOD_LOCAL_SIZE", "0")) == size:
+            return [this_host()] * size, ""
+        return None, ("under horovodrun --gloo over several hosts the placement is known only "
+                      "after Horovod starts")
+    from mpi4py import MPI
+
+    return mpi_placement(comm if comm is not None else MPI.COMM_WORLD), ""
+
+
+def init(comm=None, *, group_sizes: Optional[Sequence[int]] = None) -> None:
+    """Initialize Horovod so that averagers can have their groups.
+
+    Without ``group_sizes``, Horovod starts with dynamic process sets: any group can be
+    registered later. That has a price: every Horovod cycle (about 1 ms) does one more small
+    coordination over all ranks, which shows in latency-bound averaging (``make bench``
+    compares both modes).
+
+    With ``group_sizes``, the group size of every level the job will average at (the keys of a
+    :class:`HierarchicalModelAverager`'s ``period_group_size_dict``, the local group size of
+    post-local SGD), the groups of those levels are computed from the node placement and
+    registered at start-up, and Horovod runs without dynamic process sets. That needs the
+    placement before Horovod starts, which is known over MPI (``Split_type(COMM_TYPE_SHARED)``
+    on ``comm``) and under ``horovodrun --gloo`` on one host. Where it is not (Gloo over several
+    hosts) or where the sets would not survive (elastic jobs: a reset drops every set), Horovod
+    starts with dynamic process sets and a warning says why. Averaging at a group size not in
+    ``group_sizes`` then raises ``RuntimeError`` on every rank.
+
+    Over MPI (``mpirun``/``horovodrun`` with MPI) Horovod runs over ``comm`` (an ``mpi4py``
+    communicator; default ``MPI.COMM_WORLD``); under ``horovodrun --gloo`` over Gloo. A no-op when
+    Horovod is already initialized. If it was initialized without dynamic process sets, the
+    averagers can still use sets registered at ``hvd.init(process_sets=[...])``.
+
+    Raises:
+        ValueError: ``group_sizes`` is not a list of positive integers, or a size does not fit
+            the placement (raised on every rank, before Horovod starts).
+
+    Example::
+
+        >>> import hvd_averaging as hva
+        >>> hva.init(group_sizes=[2])            # pairs registered at start-up
+        >>> averager = hva.HierarchicalModelAverager({2: 2, 8: hvd.size()}, warmup_steps=0)
+    """
+    if hvd.is_initialized():
+        if group_sizes is not None:
+            warnings.warn("hva.init(group_sizes=...) after Horovod was initialized does nothing: "
+                          "process sets can be registered statically only at start-up", stacklevel=2)
+        return
+    static_sets, placement = None, None
+    if group_sizes is not None:
+        placement, why_not = _placement_before_start(comm)
+        if placement is not None:
+            static_sets = static_groups(placement, group_sizes)  # ValueError: same on every rank
+        else:
+            # Same sizes checked against a one-node placement, so a typo still fails fast.
+            static_groups(["?"] * _world_size_before_start(comm), group_sizes)
+            warnings.warn(f"hva.init(group_sizes={list(group_sizes)}): {why_not}; starting Horovod "
+                          "with dynamic process sets instead", stacklevel=2)
+    mode = [hvd.ProcessSet(group) for group in static_sets] if static_sets is not None else "dynamic"
+    if comm is not None:
+        hvd.init(comm=comm, process_sets=mode)
+    else:
+        hvd.init(process_sets=mode)
+    start_world(comm, placement)
+    if placement is None and not elastic_job():
+        # Collective like init itself, so traffic counters know which sets cross nodes. Not in
+        # elastic jobs: a joining worker's init is matched by no call on the others.
+        rank_to_node()

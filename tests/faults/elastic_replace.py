@@ -1,0 +1,89 @@
+"""Elastic Gloo across emulated nodes: one worker replaced by another, the world size unchanged.
+Launched by tools/cluster_tests.py on 4 nodes:
+
+    HVA_ELASTIC_HOSTS_FILE=hosts HVA_ELASTIC_NODES=n0,n1,n2,n3 horovodrun --gloo -np 4 \\
+        --min-np 4 --max-np 4 --network-interface eth0 \\
+        --host-discovery-script tests/faults/discover_hosts.sh python tests/faults/elastic_replace.py
+
+The hosts file starts as ``n0:2, n1:1, n2:1``. At batch 10 rank 0 swaps n2 for n3: Horovod
+stops n2's worker, starts one on n3 (which constructs its averagers without collectives) and
+resets the others, still 4 ranks. A ``PeriodicModelAverager`` over all ranks and a
+``HierarchicalModelAverager({2: 2, 4: 4})`` must both make their sets for the new world, on the
+survivors as on the newcomer (they follow the world by its generation, not its size: a
+survivor that skipped the argument agreement the newcomer runs would leave both waiting in
+different collectives). Every rank checks at the end, against the others, that training
+completed with equal parameters after the last all-rank averaging.
+"""
+import os
+import socket
+import time
+from pathlib import Path
+
+import horovod.torch as hvd
+import torch
+
+import hvd_averaging as hva
+import hvd_averaging.elastic  # noqa: F401  (registers the averagers with TorchState)
+from elastic_step import train_step
+from hvd_averaging.process_sets import members
+
+BATCHES, REPLACE_AT = 41, 10  # step 40 averages over all ranks at both averagers
+NODES = os.environ["HVA_ELASTIC_NODES"].split(",")
+HOSTS_FILE = Path(os.environ["HVA_ELASTIC_HOSTS_FILE"])
+
+hva.init()
+hva.set_timeout(30)
+torch.manual_seed(hvd.rank())
+flat_model, tree_model = torch.nn.Linear(8, 2), torch.nn.Linear(8, 2)
+flat_opt = torch.optim.SGD(flat_model.parameters(), lr=0.05)
+tree_opt = torch.optim.SGD(tree_model.parameters(), lr=0.05)
+state = hvd.elastic.TorchState(
+    flat_model=flat_model, tree_model=tree_model, flat_opt=flat_opt, tree_opt=tree_opt,
+    periodic=hva.PeriodicModelAverager(period=4),
+    hierarchical=hva.HierarchicalModelAverager({2: 2, 4: hvd.size()}),
+    batch=0, hosts_seen=[])
+
+
+@hvd.elastic.run
+def train(state):
+    while state.batch < BATCHES:
+        train_step(flat_model, flat_opt, state.periodic, state.batch)
+        train_step(tree_model, tree_opt, state.hierarchical, state.batch)
+        hosts = sorted(set(hvd.allgather_object(socket.gethostname(), name="replace.hosts")))
+        if hosts not in state.hosts_seen:
+            state.hosts_seen.append(hosts)
+        state.batch += 1
+        state.commit()
+        if state.batch == REPLACE_AT and NODES[2] in hosts:
+            if hvd.rank() == 0:
+                HOSTS_FILE.write_text(f"{NODES[0]}:2\n{NODES[1]}:1\n{NODES[3]}:1\n")
+            # commit() raises HostsUpdatedInterrupt on every rank at the same call once the
+            # driver has seen the change (rank 0 broadcasts the news)
+            for _ in range(240):
+                time.sleep(0.25)
+                state.commit()
+            raise RuntimeError("the hosts change was not seen in 60 s")
+
+
+train(state)
+size = hvd.size()
+names = hvd.allgather_object(socket.gethostname(), name="replace.final_hosts")
+node = [r for r, h in enumerate(names) if h == names[hvd.rank()]]
+pair = members(state.hierarchical.period_process_set_dict[2])
+two_rank_host = next(h for h in names if names.count(h) == 2)
+expected_pair = node if len(node) == 2 else [r for r, h in enumerate(names) if h != two_rank_host]
+flat = hvd.allgather(flat_model.weight.detach().reshape(1, -1), name="replace.flat")
+tree = hvd.allgather(tree_model.weight.detach().reshape(1, -1), name="replace.tree")
+steps = hvd.allgather_object([state.periodic.step, state.hierarchical.step], name="replace.steps")
+print(f"rank {hvd.rank()}: size {size}, hosts seen {state.hosts_seen}, steps {steps}, "
+      f"pair {pair}", flush=True)
+assert size == 4, size
+assert state.hosts_seen == [sorted(NODES[:3]), sorted([NODES[0], NODES[1], NODES[3]])], state.hosts_seen
+assert steps == [[BATCHES, BATCHES]] * size, steps
+assert sorted(pair) == sorted(expected_pair), (pair, expected_pair, names)
+for label, weights in (("periodic", flat), ("hierarchical", tree)):
+    assert torch.equal(weights.min(0).values, weights.max(0).values), f"{label}: parameters differ"
+if hvd.rank() == 0:
+    print(f"elastic replace ok: {NODES[2]}'s worker replaced by one on {NODES[3]}, 4 ranks before "
+          f"and after, step {steps[0][0]} on every rank, parameters equal after the final "
+          "averaging at both averagers", flush=True)
