@@ -360,9 +360,9 @@ def run_elastic_nodes(timeout_s: int) -> bool:
 
 
 def run_elastic_replace(timeout_s: int) -> bool:
-    """Gloo elastic on 4 nodes: node 2's worker is replaced by one on node 3 (size 4 kept)."""
+    """Gloo elastic on 5 nodes of one rank: node 3's worker is replaced by one on node 4."""
     return _run_elastic("elastic Gloo: one worker replaced by another, 4 ranks before and after",
-                        4, ["0:2", "1:1", "2:1"], "tests/faults/elastic_replace.py", "4-4",
+                        5, ["0:1", "1:1", "2:1", "3:1"], "tests/faults/elastic_replace.py", "4-4",
                         "elastic replace ok", timeout_s)
 
 
