@@ -16,10 +16,9 @@ ifneq ($(strip $(WHEELHOUSE)),)
 export PIP_NO_INDEX := 1
 export PIP_FIND_LINKS := $(abspath $(WHEELHOUSE))
 export HVD_CACHE := $(abspath $(WHEELHOUSE))/hvd-cache
-MPI4PY_SOURCE :=
-else
-MPI4PY_SOURCE := --no-binary mpi4py
 endif
+# mpi4py's binary wheels (4.1 on) load the system's Open MPI or MPICH at import: no build.
+MPI4PY_SPEC := mpi4py>=4.1,<5
 WHEELHOUSE_OUT := docker/wheelhouse
 
 .PHONY: install system-packages test test-unit test-multiprocess test-cluster demo bench bench-cluster docker wheelhouse clean
@@ -43,7 +42,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml tools/build_horovod.sh Makefile
 	@[ -x $(PY) ] || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)" numpy "cmake>=3.18,<4" packaging wheel "setuptools<81" pytest
-	$(PY) -m pip install -q $(MPI4PY_SOURCE) mpi4py
+	$(PY) -m pip install -q "$(MPI4PY_SPEC)"
 	PYTHON=$(PY) bash tools/build_horovod.sh
 	$(PY) -m pip install -q -e ".[test,examples]"
 	$(VENV)/bin/horovodrun --check-build
@@ -84,9 +83,8 @@ wheelhouse: install
 	cache="$${HVD_CACHE:-$${XDG_CACHE_HOME:-$$HOME/.cache}/hvd_averaging}"; \
 	links=$$(for d in "$$cache"/wheels/*/; do printf -- '--find-links %s ' "$$d"; done); \
 	$(PY) -m pip wheel -q -w $(WHEELHOUSE_OUT) $$links "$(TORCH_SPEC)" numpy "cmake>=3.18,<4" \
-	  packaging wheel "setuptools<81" "setuptools>=61" pytest ".[test,examples]" && \
+	  "$(MPI4PY_SPEC)" packaging wheel "setuptools<81" "setuptools>=61" pytest ".[test,examples]" && \
 	cp -r "$$cache/wheels" $(WHEELHOUSE_OUT)/hvd-cache/
-	$(PY) -m pip wheel -q --no-binary mpi4py -w $(WHEELHOUSE_OUT) mpi4py
 	rm -f $(WHEELHOUSE_OUT)/hvd_averaging-*.whl
 
 clean:

@@ -25,7 +25,8 @@ from typing import Callable, Optional
 import torch
 
 from cluster import Cluster
-from rank_output import launch_env, rank_summaries, suite_passed
+from rank_output import rank_summaries, suite_passed, test_launch_env
+from stage_log import StageLog
 
 __all__ = ["run_all"]
 
@@ -45,9 +46,9 @@ def _horovodrun(cluster: Cluster, controller: str, slots) -> list[str]:
 
 
 def _mpirun(cluster: Cluster, slots, env: dict, *extra: str) -> list[str]:
-    """mpirun across the cluster, exporting PATH, PYTHONPATH and the HVA_ variables of ``env``
+    """mpirun across the cluster, exporting PATH, PYTHONPATH, OMP_NUM_THREADS and the HVA_ variables of ``env``
     (the environment it will run with) to every rank, as a real cluster needs."""
-    names = [n for n in env if n in ("PATH", "PYTHONPATH") or n.startswith("HVA_")]
+    names = [n for n in env if n in ("PATH", "PYTHONPATH", "OMP_NUM_THREADS") or n.startswith("HVA_")]
     exports = [arg for name in names for arg in ("-x", name)]
     return ["mpirun", *cluster.mpirun_args(), "--tag-output", "-np", str(_count(slots)),
             "-H", cluster.hosts_arg(slots), *extra, *exports]
@@ -99,7 +100,7 @@ SUITES = [
 
 def run_suite(run: SuiteRun, timeout_s: int) -> bool:
     # helpers (fixtures, shared helpers) live in tests/multiprocess for both suites
-    env = launch_env(PYTHONPATH=f"{ROOT / run.rootdir}:{ROOT / 'tests/multiprocess'}",
+    env = test_launch_env(PYTHONPATH=f"{ROOT / run.rootdir}:{ROOT / 'tests/multiprocess'}",
                      HVA_TEST_NODES="2", **run.env)
     with Cluster(2, RATE_MBIT) as cluster:
         if run.launcher.startswith("horovodrun"):
@@ -182,8 +183,10 @@ def _checkpoints_load(directory: Path, ranks) -> list[str]:
         path = directory / f"rank{rank}.pt"
         try:
             state = torch.load(path, weights_only=False)
-            if not {"model", "optimizer", "step"} <= set(state) or "step" not in state["optimizer"]:
-                problems.append(f"{path.name} lacks model/optimizer/step")
+            averager = state.get("optimizer", {}).get("averager", {})
+            if not {"model", "optimizer", "step"} <= set(state) or \
+                    not isinstance(averager.get("step"), int):
+                problems.append(f"{path.name} lacks model/optimizer/the averager's step")
         except Exception as error:  # noqa: BLE001 - reported as a failure
             problems.append(f"{path.name}: {type(error).__name__}: {error}")
     return problems
@@ -196,7 +199,7 @@ def _train_argv(checkpoint_dir: Path, *extra: str) -> list[str]:
 
 def _fault_launch(cluster: Cluster, controller: str, checkpoints: Path, *extra: str):
     """argv and environment of cluster_train.py on 2 nodes x 2 ranks with the fault timeout."""
-    env = launch_env(HVA_TIMEOUT_SECONDS=str(FAULT_TIMEOUT_S))
+    env = test_launch_env(HVA_TIMEOUT_SECONDS=str(FAULT_TIMEOUT_S))
     argv = _mpirun(cluster, 2, env) if controller == "mpi" \
         else _horovodrun(cluster, "gloo", 2)
     return argv + _train_argv(checkpoints, *extra), env
@@ -305,7 +308,7 @@ def run_slow_link() -> bool:
                  + ("passes" if expect_pass else "fails, saying what to change"))
         print(f"\n=== fault: {label}", flush=True)
         with tempfile.TemporaryDirectory() as tmp, Cluster(2, rate) as cluster:
-            env = launch_env(HVA_TIMEOUT_SECONDS=str(timeout_s))
+            env = test_launch_env(HVA_TIMEOUT_SECONDS=str(timeout_s))
             argv = _horovodrun(cluster, "mpi", 2) + _train_argv(
                 Path(tmp), "--steps", "3", "--numel", str(numel), "--step-seconds", "0")
             result = cluster.run(argv, env=env, cwd=str(ROOT), timeout_s=4 * timeout_s + 120)
@@ -339,7 +342,7 @@ def _run_elastic(label: str, nodes: int, first_hosts: list[str], script: str, np
         hosts = Path(tmp) / "hosts"
         hosts.write_text("".join(f"{cluster.nodes[int(i)]}:{slots}\n"
                                  for i, slots in (h.split(":") for h in first_hosts)))
-        env = launch_env(HVA_ELASTIC_HOSTS_FILE=str(hosts), HVA_ELASTIC_NODES=",".join(cluster.nodes))
+        env = test_launch_env(HVA_ELASTIC_HOSTS_FILE=str(hosts), HVA_ELASTIC_NODES=",".join(cluster.nodes))
         min_np, max_np = np_range.split("-")
         argv = [str(BIN / "horovodrun"), "--gloo", "-np", max_np, "--min-np", min_np, "--max-np",
                 max_np, "--network-interface", "eth0", "--host-discovery-script",
@@ -366,8 +369,9 @@ def run_elastic_replace(timeout_s: int) -> bool:
                         "elastic replace ok", timeout_s)
 
 
-def run_all(bin_dir: Path, timeout_s: int) -> dict[str, bool]:
-    """Every multi-node launch; a machine that cannot emulate nodes fails them with its reason."""
+def run_all(bin_dir: Path, timeout_s: int, log: StageLog) -> None:
+    """Every multi-node launch, recorded in ``log``; a machine that cannot emulate nodes fails
+    them with its reason."""
     global BIN
     BIN = bin_dir
     from cluster import ClusterUnavailable, check_privileges
@@ -375,14 +379,15 @@ def run_all(bin_dir: Path, timeout_s: int) -> dict[str, bool]:
         check_privileges()
     except ClusterUnavailable as error:
         print(f"\n=== multi-node: cannot run here: {error}", flush=True)
-        return {"multi-node (emulated cluster)": False}
-    results = {run.label: run_suite(run, timeout_s) for run in SUITES}
-    results["cut link, MPI, start-up sets"] = run_cut_link("mpi", start_up_sets=True)
-    results["cut link, MPI, dynamic sets"] = run_cut_link("mpi", start_up_sets=False)
-    results["cut link, Gloo"] = run_cut_link("gloo", start_up_sets=False)
-    results["node lost, MPI"] = run_node_lost("mpi")
-    results["node lost, Gloo"] = run_node_lost("gloo")
-    results["slow link"] = run_slow_link()
-    results["elastic across nodes"] = run_elastic_nodes(timeout_s)
-    results["elastic same-size replacement"] = run_elastic_replace(timeout_s)
-    return results
+        log.run("multi-node (emulated cluster)", lambda: False)
+        return
+    for run in SUITES:
+        log.run(run.label, lambda: run_suite(run, timeout_s))
+    log.run("cut link, MPI, start-up sets", lambda: run_cut_link("mpi", start_up_sets=True))
+    log.run("cut link, MPI, dynamic sets", lambda: run_cut_link("mpi", start_up_sets=False))
+    log.run("cut link, Gloo", lambda: run_cut_link("gloo", start_up_sets=False))
+    log.run("node lost, MPI", lambda: run_node_lost("mpi"))
+    log.run("node lost, Gloo", lambda: run_node_lost("gloo"))
+    log.run("slow link", run_slow_link)
+    log.run("elastic across nodes", lambda: run_elastic_nodes(timeout_s))
+    log.run("elastic same-size replacement", lambda: run_elastic_replace(timeout_s))

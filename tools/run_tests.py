@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 import cluster_tests
-from rank_output import launch_env, rank_summaries, suite_passed
+from rank_output import rank_summaries, suite_passed, test_launch_env
+from stage_log import StageLog
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -64,7 +65,7 @@ def launch(cmd: list[str], env: dict[str, str], timeout_s: int):
 def run_multiprocess(label: str, launcher_args: list[str], extra_env: dict[str, str],
                      timeout_s: int) -> bool:
     expected_ranks = int(launcher_args[launcher_args.index("-np") + 1])
-    env = launch_env(**extra_env)
+    env = test_launch_env(**extra_env)
     env["PYTHONPATH"] = str(ROOT / "tests" / "multiprocess")
     files = extra_env.get("HVA_TEST_FILES")
     targets = [files] if files else ["tests/multiprocess", "--ignore=tests/multiprocess/static",
@@ -93,7 +94,7 @@ def run_multiprocess(label: str, launcher_args: list[str], extra_env: dict[str, 
 
 def run_entrypoint_check(timeout_s: int) -> bool:
     """The Docker image's ``--check`` path, run outside Docker on this machine."""
-    env = launch_env(PYTHON=str(BIN / "python"), PATH=f"{BIN}:{os.environ.get('PATH', '')}")
+    env = test_launch_env(PYTHON=str(BIN / "python"), PATH=f"{BIN}:{os.environ.get('PATH', '')}")
     print("\n=== docker/entrypoint.sh --check (outside Docker)", flush=True)
     try:
         proc = subprocess.run(["bash", "docker/entrypoint.sh", "--check"], cwd=ROOT, env=env,
@@ -120,7 +121,7 @@ def run_rank_death(controller: str, np: int, die_at: int) -> bool:
            str(BIN / "python"), "tests/faults/rank_dies.py", "--die-at", str(die_at)]
     print(f"\n=== {label}: {' '.join(cmd[1:])}", flush=True)
     start = time.monotonic()
-    out, rc = launch(cmd, launch_env(HVA_TIMEOUT_SECONDS="20"), FAULT_BOUND_S)
+    out, rc = launch(cmd, test_launch_env(HVA_TIMEOUT_SECONDS="20"), FAULT_BOUND_S)
     if rc is None:
         print(out, flush=True)
         print(f"=== FAILED: {label}: still running after {FAULT_BOUND_S} s (a hang)", flush=True)
@@ -151,7 +152,7 @@ def run_elastic_shrink(timeout_s: int) -> bool:
     print(f"\n=== {label}: {' '.join(cmd[1:])}", flush=True)
     start = time.monotonic()
     try:
-        out, rc = launch(cmd, launch_env(HVA_ELASTIC_HOSTS_FILE=hosts.name), timeout_s)
+        out, rc = launch(cmd, test_launch_env(HVA_ELASTIC_HOSTS_FILE=hosts.name), timeout_s)
     finally:
         os.unlink(hosts.name)
     ok = rc == 0 and "elastic ok: resumed on 3 ranks" in out
@@ -170,7 +171,7 @@ def run_demo_fast(timeout_s: int) -> bool:
         cmd = [str(BIN / "horovodrun"), "-np", "4", "-H", "localhost:4", str(BIN / "python"), "-m",
                "hvd_averaging.examples.train", "--task", "digits", "--fast", "--quiet", "--out", out]
         start = time.monotonic()
-        output, rc = launch(cmd, launch_env(), timeout_s)
+        output, rc = launch(cmd, test_launch_env(), timeout_s)
         written = sorted(p.name for p in Path(out).iterdir())
         summary = json.loads((Path(out) / "results.json").read_text()) \
             if "results.json" in written else {"results": [], "lower_is_better": True}
@@ -229,22 +230,24 @@ def main() -> int:
     parser.add_argument("--no-docker", action="store_true", help="skip building the image")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per multi-process run")
     args = parser.parse_args()
-    results = {}
+    log = StageLog()
     if not args.cluster_only:
-        results.update({label: run_multiprocess(label, launch, env, args.timeout)
-                        for label, launch, env in multiprocess_runs()})
+        for label, launcher_args, env in multiprocess_runs():
+            log.run(label, lambda: run_multiprocess(label, launcher_args, env, args.timeout))
         for controller, np, die_at in FAULT_RUNS:
-            results[f"rank death {controller} np={np} step {die_at}"] = \
-                run_rank_death(controller, np, die_at)
-        results["elastic gloo 4 -> 3"] = run_elastic_shrink(args.timeout)
-        results["entrypoint --check"] = run_entrypoint_check(args.timeout)
-        results["demo fast mode"] = run_demo_fast(args.timeout)
+            log.run(f"rank death {controller} np={np} step {die_at}",
+                    lambda: run_rank_death(controller, np, die_at))
+        log.run("elastic gloo 4 -> 3", lambda: run_elastic_shrink(args.timeout))
+        log.run("entrypoint --check", lambda: run_entrypoint_check(args.timeout))
+        log.run("demo fast mode", lambda: run_demo_fast(args.timeout))
     if not args.multiprocess_only:
-        results.update(cluster_tests.run_all(BIN, args.timeout))
+        cluster_tests.run_all(BIN, args.timeout, log)
     if not (args.cluster_only or args.multiprocess_only or args.no_docker):
-        results["docker image"] = run_docker_image(1800)
-    failed = [label for label, ok in results.items() if not ok]
-    print(f"\nmulti-process runs: {len(results) - len(failed)} passed, {len(failed)} failed", flush=True)
+        log.run("docker image", lambda: run_docker_image(1800))
+    failed = log.failed()
+    print(f"\n{log.table()}\n", flush=True)
+    print(f"multi-process runs: {len(log.stages) - len(failed)} passed, {len(failed)} failed",
+          flush=True)
     unit_rc = 0
     if not (args.multiprocess_only or args.cluster_only):
         unit_rc = subprocess.run([str(BIN / "python"), "-m", "pytest", "-q", "tests/unit"],
@@ -252,7 +255,6 @@ def main() -> int:
     if failed:
         print(f"failed multi-process runs: {failed}", flush=True)
     return 1 if failed or unit_rc else 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
