@@ -18,16 +18,31 @@ import horovod.torch as hvd
 
 from .agreement import check_same_on_all_ranks
 from .compression import compression_name
-from .delayed import DelayedRounds, start_delayed_average
+from .delayed import AverageTransform, DelayedRounds, start_delayed_average
 from .params import TensorsLike, collect_parameters, floating_buffers
-from .process_sets import members, process_set as registered_set
+from .process_sets import members, process_set as registered_set, registered_process_sets
 from .rounds import average_tensors
 from .routes import prepare_process_set
 from .schedule import check_delay, check_period, check_warmup_steps, periodic_fires
 from .startup import elastic_job
-from .world import WorldFollower
+from .world import WorldFollower, current_world, renew_world
 
 __all__ = ["ModelAverager", "PeriodicModelAverager"]
+
+
+class _ConstructionOrder:
+    """Numbers this process's averagers in the order they are made (the same on every rank:
+    construction is collective, or in elastic jobs runs the same script), so that two averagers'
+    rounds in flight at once get different Horovod names. Kept across elastic resets."""
+
+    survives_reset = True
+
+    def __init__(self) -> None:
+        self.made = 0
+
+    def next(self) -> int:
+        self.made += 1
+        return self.made - 1
 
 
 class ModelAverager(ABC):
@@ -56,6 +71,7 @@ class ModelAverager(ABC):
                 f"process_set {self.process_set} is not registered with Horovod: create it with "
                 "hva.process_set(ranks) or pass it to hvd.init(process_sets=[...])")
         self.step = 0
+        self._number = current_world().component(_ConstructionOrder).next()
         self._world = WorldFollower()
         self._delayed = DelayedRounds({})
         self._compression: dict[int, str] = {}  # per level: "fp16" or "none"
@@ -75,6 +91,19 @@ class ModelAverager(ABC):
     def level_delays(self) -> dict[int, int]:
         """``{period: delay}`` of every level (0: averaged at its firing step)."""
         return dict(self._delayed.delays)
+
+    def transform_delayed_average(self, level: int, transform: AverageTransform) -> None:
+        """Let ``transform(tensors, averages)`` replace, in place, the average a delayed round
+        of ``level`` brings before it is applied (``tensor = average + (tensor - snapshot)``).
+        :class:`~hvd_averaging.DiLoCo` puts its outer step there (Streaming DiLoCo).
+
+        Raises:
+            ValueError: ``level`` is not a delayed level of this averager.
+        """
+        if not self._delayed.delayed(level):
+            raise ValueError(f"level {level!r} is not delayed (delays per level "
+                             f"{self._delayed.delays}): its average is applied at its firing step")
+        self._delayed.transforms[level] = transform
 
     # -- one call per training step ----------------------------------------------------------
 
@@ -116,7 +145,7 @@ class ModelAverager(ABC):
         if process_set is None:
             return
         round_ = start_delayed_average(
-            self._tensors(params, buffers), process_set, op_tag=f".delayed{level}",
+            self._tensors(params, buffers), process_set, op_tag=f".delayed{level}.a{self._number}",
             buffers=self._delayed.buffers.setdefault(level, {}), check_finite=self.check_finite,
             context=f"{type(self).__name__} step {fired_at} (delay {self._delayed.delays[level]})",
             compression=self._wire(level),
@@ -156,6 +185,8 @@ class ModelAverager(ABC):
         """At a firing step: if the world changed since the sets were made (an elastic reset,
         even one that kept the size) or they were never made (elastic start), agree and make
         them for the world as it is now. Collective, same on every rank."""
+        if self._sets_dropped():
+            renew_world()  # Horovod was started again without an elastic reset announcing it
         if not self._world.behind():
             return
         if self._world.started:
@@ -164,6 +195,19 @@ class ModelAverager(ABC):
         self._agree()
         self._register_sets()
         self._world.caught_up()
+
+    def _process_sets(self) -> list[hvd.ProcessSet]:
+        """Every process set this averager holds."""
+        return [self.process_set]
+
+    def _sets_dropped(self) -> bool:
+        """True when Horovod no longer holds this averager's sets as they were (it was shut down
+        and initialized again, which drops every set, horovod#4021)."""
+        own = [s for s in self._process_sets() if s is not hvd.global_process_set]
+        if not own or not self._world.started:
+            return False
+        registered = registered_process_sets()
+        return any(registered.get(s.process_set_id) != members(s) for s in own)
 
     def _prepare_sets(self, groups_per_level: list[list[list[int]]]) -> None:
         """Let every group of these levels average node-aware where it spans nodes (collective:

@@ -19,7 +19,10 @@ from .agreement import check_same_on_all_ranks
 from .deadlines import bounded_collective, guarded_enqueue
 from .rounds import NonFiniteError, Round, begin_round
 
-__all__ = ["DelayedAverage", "start_delayed_average", "DelayedRounds"]
+__all__ = ["AverageTransform", "DelayedAverage", "start_delayed_average", "DelayedRounds"]
+
+# (tensors of the round, a view of each one's average) -> None; may overwrite the averages.
+AverageTransform = Callable[[list, list], None]
 
 
 def _reused_like(buffers: dict, key: tuple, like: torch.Tensor) -> torch.Tensor:
@@ -92,8 +95,12 @@ class DelayedAverage:
         with guarded_enqueue(self.what), self._round.naming_non_finite():
             self._transfer.advance()
 
-    def apply(self) -> None:
+    def apply(self, transform: Optional[AverageTransform] = None) -> None:
         """Wait for the average (bounded), then ``tensor = average + (tensor - snapshot)``.
+
+        ``transform(tensors, averages)`` may first replace the averages in place (``averages``:
+        one view per tensor of the round, in its order): DiLoCo's outer step puts the new global
+        copy there, so that ``tensor = global + (tensor - snapshot)``.
 
         Raises:
             AveragingTimeoutError: not finished within ``hva.timeout()`` of its start.
@@ -105,9 +112,12 @@ class DelayedAverage:
             raise RuntimeError(
                 f"{self.what}: a tensor's .data was replaced (model.to(), load_state_dict(assign="
                 "True)) while its round was in flight, so the round cannot be applied to it")
+        averages = self._transfer.result
         with torch.no_grad():
+            if transform is not None:
+                transform(self._round.packing.tensors, self._round.packing.views_into(averages))
             for slab, snapshot, average in zip(self._round.packing.slabs, self._snapshots,
-                                               self._transfer.result):
+                                               averages):
                 slab.copy_in()  # tensors copied through their slot moved on since the start
                 torch.sub(slab.flat, snapshot, out=snapshot)  # the local progress
                 slab.flat.copy_(average)
@@ -169,6 +179,7 @@ class DelayedRounds:
 
     def __init__(self, delays: Mapping[int, int]) -> None:
         self.delays = dict(delays)
+        self.transforms: dict[int, AverageTransform] = {}  # per level, applied before the average
         self.buffers: dict[int, dict] = {}
         self._in_flight: dict[int, tuple[int, DelayedAverage]] = {}
         self._to_restart: dict[int, dict] = {}
@@ -193,7 +204,7 @@ class DelayedRounds:
         for level, (apply_at, round_) in sorted(self._in_flight.items()):
             if step >= apply_at:
                 del self._in_flight[level]
-                round_.apply()
+                round_.apply(self.transforms.get(level))
             else:
                 round_.progress()
 

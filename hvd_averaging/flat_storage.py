@@ -85,7 +85,16 @@ class Packing:
     slabs: list[DtypeSlab]
     layout: list[tuple[str, tuple[int, ...]]]
     _bound_pointers: list[tuple[torch.Tensor, int]]
+    # per tensor: (slab index, offset, strides in the slab or None for a contiguous slot)
+    places: list[tuple[int, int, Optional[tuple[int, ...]]]] = field(default_factory=list)
     layout_digest: Optional[int] = None  # set by the rounds layer, once per packing
+
+    def views_into(self, flats: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each tensor's place in ``flats`` (buffers laid out like the slabs, e.g. an average
+        that arrived), as a view with the tensor's shape, in the order of ``tensors``."""
+        return [flats[slab].as_strided(t.shape, stride, offset) if stride is not None
+                else flats[slab][offset:offset + t.numel()].view(t.shape)
+                for t, (slab, offset, stride) in zip(self.tensors, self.places)]
 
     def still_bound(self) -> bool:
         """False once any bound tensor's ``.data`` was replaced (it no longer views its slab)."""
@@ -115,7 +124,7 @@ def pack(tensors: list[torch.Tensor], *, bind: bool = True,
         key = t.untyped_storage().data_ptr()
         storages[key] = storages.get(key, 0) + 1
 
-    slabs, bound_pointers = [], []
+    slabs, bound_pointers, places = [], [], {}
     with torch.no_grad():
         for dtype, group in by_dtype.items():
             wire = WIRE_DTYPE.get(dtype, dtype)
@@ -137,14 +146,16 @@ def pack(tensors: list[torch.Tensor], *, bind: bool = True,
                 if movable:
                     view = flat.as_strided(t.shape, t.stride(), offset)
                     view.copy_(t)
+                    places[id(t)] = (len(slabs), offset, tuple(t.stride()))
                     t.data = view
                     slab.bound.append(t)
                     bound_pointers.append((t, t.data_ptr()))
                 else:
                     slot = flat[offset:offset + t.numel()].view(t.shape)
+                    places[id(t)] = (len(slabs), offset, None)
                     slab.copied.append(t)
                     slab.copied_slots.append(slot)
                 offset += t.numel()
             slabs.append(slab)
     layout = [(str(t.dtype), tuple(t.shape)) for t in tensors]
-    return Packing(list(tensors), slabs, layout, bound_pointers)
+    return Packing(list(tensors), slabs, layout, bound_pointers, [places[id(t)] for t in tensors])

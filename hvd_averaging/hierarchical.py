@@ -89,6 +89,9 @@ class HierarchicalModelAverager(ModelAverager):
     def top_level(self) -> int:
         return self._periods[-1]
 
+    def _process_sets(self) -> list[hvd.ProcessSet]:
+        return [self.process_set, *self.period_process_set_dict.values()]
+
     def _register_sets(self) -> None:
         """Register every group of every level (collective) and keep this rank's."""
         hierarchy = self.period_group_size_dict

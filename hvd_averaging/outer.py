@@ -57,13 +57,21 @@ class DiLoCo(PostLocalSGDOptimizer):
         global_on_cpu: keep the global copy (and the outer optimizer's state) in CPU memory, for
             GPU training where device memory is tight; the outer step then runs on the CPU.
 
+    Overlapped (`Streaming DiLoCo <https://arxiv.org/abs/2501.18512>`_, torchft's
+    ``fragment_sync_delay``): when the averager's top level has ``delay=d``, a top-level firing
+    step ``s`` snapshots the parameters ``S`` and starts averaging them without waiting; at
+    ``s + d`` the pseudo-gradient ``global - average(S)`` goes to the outer optimizer, and every
+    rank's parameters become ``new global + (parameters - S)``: the local progress made since
+    ``s`` is kept. With ``SGD(lr=1.0)`` and no momentum this is
+    ``PeriodicModelAverager(period, delay=d)``.
+
     Extra memory: one copy of the parameters (the global copy) plus the outer optimizer's state
-    (one more copy for momentum).
+    (one more copy for momentum); overlapped, also the delayed round's snapshot and the buffer
+    its average arrives in.
 
     Raises:
         TypeError: ``optim``, ``averager`` or ``outer_optimizer`` is of the wrong kind (on every
             rank alike: construction talks to no other rank).
-        ValueError: the averager's top level is delayed (``delay > 0``).
 
     Example::
 
@@ -86,11 +94,6 @@ class DiLoCo(PostLocalSGDOptimizer):
         if not isinstance(averager, (PeriodicModelAverager, HierarchicalModelAverager)):
             raise TypeError("DiLoCo needs a PeriodicModelAverager or a HierarchicalModelAverager "
                             f"(its top level gets the outer step), got {type(averager).__name__}")
-        top_delay = averager.level_delays.get(averager.top_level, 0)
-        if top_delay:
-            raise ValueError(f"DiLoCo with an averager whose top level has delay={top_delay}: the "
-                             "outer step on a round left in flight is not supported; use delay=0 "
-                             "for the top level (lower levels may be delayed)")
         make_outer = outer_optimizer if outer_optimizer is not None else default_outer_optimizer
         if not callable(make_outer):
             raise TypeError("outer_optimizer must be a callable params -> torch.optim.Optimizer, "
@@ -105,31 +108,53 @@ class DiLoCo(PostLocalSGDOptimizer):
         if not isinstance(self.outer_optimizer, torch.optim.Optimizer):
             raise TypeError("outer_optimizer(params) must return a torch.optim.Optimizer, got "
                             f"{type(self.outer_optimizer).__name__}")
+        self.overlapped = bool(averager.level_delays.get(averager.top_level, 0))
+        if self.overlapped:
+            averager.transform_delayed_average(averager.top_level, self._outer_step_on_average)
 
     def step(self, closure=None):
         """Inner step; then the averager's round, and at its top level the outer step."""
         loss = self._inner_step(closure)
-        outer = self.averager.level_at(self.averager.step) == self.averager.top_level
+        # overlapped, the outer step runs inside the averager, when the delayed round is applied
+        outer = not self.overlapped and \
+            self.averager.level_at(self.averager.step) == self.averager.top_level
         averaged = {id(p) for p in collect_parameters(self.param_groups)} if outer else set()
         self.averager.average_parameters(self.param_groups, buffers=self.buffers)
         if outer:
-            self._outer_step(averaged)
+            new_globals = self._outer_step({id(p): p for p in self._params if id(p) in averaged})
+            with torch.no_grad():
+                for local in self._params:
+                    if id(local) in new_globals:
+                        local.copy_(new_globals[id(local)])
         return loss
 
     @torch.no_grad()
-    def _outer_step(self, averaged: set) -> None:
-        """Pseudo-gradient ``global - average`` into the outer optimizer, then every rank's
-        parameters become the new global copy. Parameters the averager skipped this round (no
-        gradient) get a zero pseudo-gradient and are reset to the global copy."""
+    def _outer_step(self, averages: dict) -> dict:
+        """Pseudo-gradient ``global - average`` into the outer optimizer (``averages``: by
+        parameter id, the average of each parameter the round took); returns the new global
+        copy by parameter id, for the caller to put in place. Parameters the round skipped (no
+        gradient) get a zero pseudo-gradient and are reset to the global copy here."""
         for local, global_ in zip(self._params, self.global_parameters):
-            if id(local) in averaged:
-                global_.grad = global_.detach() - local.detach().to(global_.device)
-            else:
-                global_.grad = torch.zeros_like(global_)
+            average = averages.get(id(local))
+            global_.grad = global_.detach() - average.detach().to(global_.device) \
+                if average is not None else torch.zeros_like(global_)
         self.outer_optimizer.step()
+        new_globals = {}
         for local, global_ in zip(self._params, self.global_parameters):
-            local.copy_(global_)
             global_.grad = None
+            if id(local) in averages:
+                new_globals[id(local)] = global_
+            else:
+                local.copy_(global_)
+        return new_globals
+
+    def _outer_step_on_average(self, tensors: list, averages: list) -> None:
+        """The overlapped outer step, given the top level's average of the snapshot: it becomes
+        the new global copy, which the averager then applies as ``global + (p - snapshot)``."""
+        by_id = {id(t): a for t, a in zip(tensors, averages)}
+        averaged = {id(p): by_id[id(p)] for p in self._params if id(p) in by_id}
+        for key, global_ in self._outer_step(averaged).items():
+            by_id[key].copy_(global_)
 
     def state_dict(self) -> dict:
         """The inner optimizer's state, ``"step"``, ``"averager"``, ``"outer_optimizer"`` and

@@ -153,11 +153,10 @@ def test_hierarchical_bad_delay_names_the_level(world):
         hva.HierarchicalModelAverager({8: world}, delay={3: 1})
 
 
-def test_diloco_refuses_a_delayed_top_level(world):
-    averager = hva.PeriodicModelAverager(period=4, delay=1)
-    p = torch.nn.Parameter(torch.zeros(2))
-    with pytest.raises(ValueError, match="delay=1"):
-        hva.DiLoCo(torch.optim.SGD([p], lr=0.1), averager)
+def test_only_a_delayed_level_takes_a_transform(world):
+    averager = hva.PeriodicModelAverager(period=4, delay=0)
+    with pytest.raises(ValueError, match="level 4 is not delayed"):
+        averager.transform_delayed_average(4, lambda tensors, averages: None)
 
 
 def test_late_rank_times_out_at_the_apply_step(world, rank):

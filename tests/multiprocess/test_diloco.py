@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hvd_averaging as hva
-from helpers import expect_error_on_every_rank
+from helpers import OutOfBand, expect_error_on_every_rank
 
 LR = 0.1
 SHAPE = (5,)
@@ -141,3 +141,150 @@ def test_bad_arguments_raise_on_every_rank(world):
     assert "must return a torch.optim.Optimizer, got str" in str(error)
     error = expect_error_on_every_rank(lambda: hva.DiLoCo(inner, object()), TypeError)
     assert "averager must be a hvd_averaging.ModelAverager" in str(error)
+
+
+# -- overlapped (Streaming DiLoCo): the top level's round in flight for `delay` steps ----------
+
+def overlapped_reference(world, steps, top_fires, delay, outer_lr, momentum,
+                         level_fires=lambda s: False, group_of=None):
+    """Every rank's parameters after every step, by hand: inner SGD; at a top-level firing step
+    s the snapshots S_r are taken; at s + delay the outer SGD step on global - mean(S) gives the
+    new global copy G and every rank becomes G + (w_r - S_r); lower levels average plainly."""
+    torch.manual_seed(0)
+    start = torch.randn(SHAPE).double()
+    local = [start.clone() for _ in range(world)]
+    global_copy, buf, in_flight = start.clone(), None, None
+    history = []
+    for s in range(steps):
+        local = [w - LR * (w - target(r, s).double()) for r, w in enumerate(local)]
+        if in_flight is not None and in_flight[0] == s:
+            snapshots = in_flight[1]
+            pseudo = global_copy - sum(snapshots) / world
+            buf = pseudo.clone() if buf is None else momentum * buf + pseudo
+            global_copy = global_copy - outer_lr * (buf if momentum else pseudo)
+            local = [global_copy + (w - snap) for w, snap in zip(local, snapshots)]
+            in_flight = None
+        if top_fires(s):
+            in_flight = (s + delay, [w.clone() for w in local])
+        elif level_fires(s):
+            local = [sum(local[q] for q in group_of(r)) / len(group_of(r)) for r in range(world)]
+        history.append([w.clone() for w in local])
+    return history
+
+
+def halfway_momentum(params):
+    return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+
+
+@pytest.mark.parametrize("delay", [1, 2])
+def test_overlapped_diloco_matches_reference(world, rank, delay):
+    """Outer lr 0.5 moves the global copy halfway; momentum carries across rounds."""
+    param, opt = make(world, lambda: hva.PeriodicModelAverager(period=3, delay=delay),
+                      outer=halfway_momentum)
+    assert opt.overlapped
+    history = overlapped_reference(world, 14, lambda s: s % 3 == 0, delay, 0.5, 0.9)
+    check_against(history, param, opt, world, rank, 14)
+
+
+def test_overlapped_hierarchical_diloco_matches_reference(world, rank):
+    """The lower level (pairs every 2 steps) averages plainly inside the top level's window."""
+    pair = min(2, world)
+    param, opt = make(world, lambda: hva.HierarchicalModelAverager({2: pair, 8: world}, delay=3),
+                      outer=halfway_momentum)
+    history = overlapped_reference(
+        world, 20, lambda s: s % 8 == 0, 3, 0.5, 0.9, level_fires=lambda s: s % 2 == 0,
+        group_of=lambda r: list(range(r // pair * pair, r // pair * pair + pair)))
+    check_against(history, param, opt, world, rank, 20)
+
+
+@pytest.mark.parametrize("hierarchical", [False, True])
+def test_overlapped_outer_sgd_lr_one_is_the_delayed_averager(world, rank, hierarchical):
+    def averager():
+        if hierarchical:
+            return hva.HierarchicalModelAverager({2: min(2, world), 4: world}, delay=2)
+        return hva.PeriodicModelAverager(period=4, delay=2)
+
+    param, opt = make(world, averager, outer=lambda p: torch.optim.SGD(p, lr=1.0))
+    plain = torch.nn.Parameter(param.detach().clone())
+    plain_opt = hva.PostLocalSGDOptimizer(torch.optim.SGD([plain], lr=LR), averager())
+    for s in range(13):
+        train_step(param, opt, rank, s)
+        train_step(plain, plain_opt, rank, s)
+        # global - (global - average): the average, up to the rounding of one subtraction
+        torch.testing.assert_close(param.detach(), plain.detach(), rtol=0, atol=1e-6)
+    everyone = hvd.allgather(param.detach().reshape(1, -1), name=f"test.diloco.ovl.{hierarchical}")
+    assert not torch.equal(everyone.min(0).values, everyone.max(0).values) or world == 1, \
+        "ranks differ between rounds: each keeps its own progress since the snapshot"
+
+
+@pytest.mark.parametrize("saved_after", [1, 2])  # fired at 3, applied at 5: mid-window, due now
+def test_overlapped_resume_is_bit_identical(world, rank, saved_after):
+    steps, fired = 11, 3
+
+    def build():
+        return make(world, lambda: hva.PeriodicModelAverager(period=3, delay=2),
+                    outer=halfway_momentum)
+
+    param, opt = build()
+    for s in range(steps):
+        train_step(param, opt, rank, s)
+    uninterrupted = param.detach().clone()
+    param, opt = build()
+    for s in range(fired + saved_after):
+        train_step(param, opt, rank, s)
+    saved = {"param": param.detach().clone(), "opt": opt.state_dict()}
+    assert saved["opt"]["averager"]["in_flight"][3]["fired_at"] == fired
+    param, opt = build()
+    with torch.no_grad():
+        param.copy_(saved["param"])
+    opt.load_state_dict(saved["opt"])
+    for s in range(fired + saved_after, steps):
+        train_step(param, opt, rank, s)
+    assert torch.equal(param.detach(), uninterrupted)
+    assert hvd.allgather_object(torch.equal(param.detach(), uninterrupted),
+                                name=f"test.diloco.ovl.resume.{saved_after}") == [True] * world
+
+
+def test_overlapped_fp16_on_the_wire_stays_close(world, rank):
+    exact, opt32 = make(world, lambda: hva.PeriodicModelAverager(period=3, delay=1),
+                        outer=halfway_momentum)
+    wire16, opt16 = make(world, lambda: hva.PeriodicModelAverager(
+        period=3, delay=1, compression=hvd.Compression.fp16), outer=halfway_momentum)
+    hva.reset_traffic()
+    for s in range(10):
+        train_step(exact, opt32, rank, s)
+    float32_bytes = hva.traffic().bytes
+    hva.reset_traffic()
+    for s in range(10):
+        train_step(wire16, opt16, rank, s)
+    assert hva.traffic().bytes * 2 == float32_bytes  # float16 on the wire
+    torch.testing.assert_close(wire16.detach(), exact.detach(), rtol=0, atol=5e-3)
+    assert not torch.equal(wire16.detach(), exact.detach()) or world == 1  # it did round
+
+
+def test_overlapped_late_rank_times_out_at_the_apply_step(world, rank):
+    late = world - 1
+    signals = OutOfBand("diloco-stall")
+    param, opt = make(world, lambda: hva.PeriodicModelAverager(period=3, delay=1),
+                      outer=halfway_momentum)
+    for s in range(3):  # step 0 starts a round, step 1 applies it (the outer step)
+        train_step(param, opt, rank, s)
+    hva.set_timeout(3, exit_after=None)  # this test recovers from the stall
+    try:
+        if rank == late:
+            signals.wait_for("raised", [r for r in range(world) if r != late])
+            train_step(param, opt, rank, 3)  # starts its round; the others gave up
+            train_step(param, opt, rank, 4)  # applies it: complete, since all started
+            raised = None
+        else:
+            train_step(param, opt, rank, 3)  # fires: returns without waiting
+            with pytest.raises(hva.AveragingTimeoutError) as info:
+                train_step(param, opt, rank, 4)  # the apply step: the outer step waits
+            signals.tell("raised")
+            raised = str(info.value)
+            assert "PeriodicModelAverager step 3 (delay 1)" in raised
+    finally:
+        hva.set_timeout(None)
+    signals.close()
+    assert hvd.allgather_object(raised is None, name="test.diloco.stall") == \
+        [r == late for r in range(world)]

@@ -91,3 +91,26 @@ def test_without_bind_buffers_are_reused_per_dtype():
     assert [s.flat.data_ptr() for s in first.slabs] == [s.flat.data_ptr() for s in second.slabs]
     assert first.slabs[0].flat.data_ptr() != first.slabs[1].flat.data_ptr()
     assert all(len(s.bound) == 0 for s in first.slabs)
+
+
+def test_views_into_other_buffers_follow_each_tensors_place():
+    """An average that arrives in other buffers laid out like the slabs: each tensor's view
+    there holds exactly the values at its place (bound with its strides, copied contiguous,
+    bfloat16 travelling as float32)."""
+    conv = torch.nn.Parameter(torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last))
+    base = torch.randn(4, 6)
+    shared_view = torch.nn.Parameter(base[1:])  # does not own its storage: copied through
+    tensors = [conv, shared_view] + params((6,)) + params((3,), dtype=torch.float64) + \
+        params((5,), dtype=torch.bfloat16)
+    packing = pack(tensors)
+    for slab in packing.slabs:
+        slab.copy_in()
+    arrived = [slab.flat.clone() * 2 + 1 for slab in packing.slabs]  # what a round brings
+    expected = [(t.detach().to(a.dtype) * 2 + 1) for t, a in
+                zip(tensors, [arrived[0]] * 3 + [arrived[1], arrived[2]])]
+    views = packing.views_into(arrived)
+    assert [v.shape for v in views] == [t.shape for t in tensors]
+    for view, want in zip(views, expected):
+        torch.testing.assert_close(view, want, rtol=0, atol=0)
+    views[0].fill_(7.0)  # writes land in the arrived buffer, at the tensor's place
+    assert int((arrived[0] == 7.0).sum()) == conv.numel()
