@@ -197,7 +197,6 @@ class ModelAverager(ABC):
         self._world.caught_up()
 
     def _process_sets(self) -> list[hvd.ProcessSet]:
-        """Every process set this averager holds."""
         return [self.process_set]
 
     def _sets_dropped(self) -> bool:

@@ -26,10 +26,11 @@ BIN = Path(sys.executable).parent
 
 
 def multiprocess_runs() -> list[tuple[str, list[str], dict[str, str]]]:
-    runs = []
-    for controller in ("mpi", "gloo"):
-        for np in (2, 4):
-            runs.append((f"{controller} np={np}", [f"--{controller}", "-np", str(np), "-H", f"localhost:{np}"], {}))
+    # Gloo at 4 ranks runs on the emulated cluster (2 nodes x 2), where the node-aware stages
+    # are real; on one host it repeated MPI's 4-rank coverage (61 s of make test).
+    runs = [(f"{controller} np={np}",
+             [f"--{controller}", "-np", str(np), "-H", f"localhost:{np}"], {})
+            for controller, np in (("mpi", 2), ("mpi", 4), ("gloo", 2))]
     # Horovod initialized by the user without dynamic process sets
     runs.append(("mpi np=4 static process sets", ["--mpi", "-np", "4", "-H", "localhost:4"],
                  {"HVA_TEST_INIT": "static", "HVA_TEST_FILES": "tests/multiprocess/static"}))
