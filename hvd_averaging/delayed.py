@@ -173,8 +173,8 @@ class DelayedRounds:
     """An averager's delayed levels: ``{period: delay}``, the round in flight per level with the
     step it is due at, and rounds read from a checkpoint, restarted at the next call.
 
-    ``start_round(level, fired_at, saved)`` is the averager's way to launch a level's round
-    (it knows the tensors and sets); it returns the round or None.
+    The averager launches rounds (it knows the tensors and sets) and hands each one to
+    :meth:`launched`; :meth:`advance` calls it back to restart a checkpoint's round.
     """
 
     def __init__(self, delays: Mapping[int, int]) -> None:
