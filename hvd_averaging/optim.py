@@ -19,7 +19,7 @@ import torch
 from .averagers import ModelAverager, PeriodicModelAverager
 from .process_sets import local_process_set
 from .rounds import average_tensors
-from .schedule import check_warmup_steps
+from .schedule import check_int
 
 __all__ = ["PostLocalSGDOptimizer", "PostLocalSGD"]
 
@@ -172,7 +172,7 @@ class PostLocalSGD(PostLocalSGDOptimizer):
                  local_group_size: Optional[int] = None,
                  buffers: Optional[Iterable[torch.Tensor]] = None,
                  grad_scaler: Optional[Any] = None):
-        check_warmup_steps(start_localSGD_iter, name="start_localSGD_iter")
+        check_int("start_localSGD_iter", start_localSGD_iter, 0)
         if averager is None:
             averager = PeriodicModelAverager(period=4, warmup_steps=start_localSGD_iter)
         super().__init__(optimizer, averager, buffers=buffers, grad_scaler=grad_scaler)

@@ -118,14 +118,13 @@ class DiLoCo(PostLocalSGDOptimizer):
         # overlapped, the outer step runs inside the averager, when the delayed round is applied
         outer = not self.overlapped and \
             self.averager.level_at(self.averager.step) == self.averager.top_level
-        averaged = {id(p) for p in collect_parameters(self.param_groups)} if outer else set()
+        # the averager averages these in place: afterwards each holds its own average
+        averaged = {id(p): p for p in collect_parameters(self.param_groups)} if outer else {}
         self.averager.average_parameters(self.param_groups, buffers=self.buffers)
         if outer:
-            new_globals = self._outer_step({id(p): p for p in self._params if id(p) in averaged})
             with torch.no_grad():
-                for local in self._params:
-                    if id(local) in new_globals:
-                        local.copy_(new_globals[id(local)])
+                for key, global_ in self._outer_step(averaged).items():
+                    averaged[key].copy_(global_)
         return loss
 
     @torch.no_grad()

@@ -42,9 +42,9 @@ def check_positive_int(name: str, value) -> int:
     return check_int(name, value, 1)
 
 
-def check_warmup_steps(warmup_steps, name: str = "warmup_steps") -> int:
+def check_warmup_steps(warmup_steps) -> int:
     """Return ``warmup_steps`` if it is an integer >= 0, else raise ``ValueError``."""
-    return check_int(name, warmup_steps, 0)
+    return check_int("warmup_steps", warmup_steps, 0)
 
 
 def check_period(period, *, stacklevel: int = 3) -> int:
