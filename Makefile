@@ -21,18 +21,25 @@ endif
 MPI4PY_SPEC := mpi4py>=4.1,<5
 WHEELHOUSE_OUT := docker/wheelhouse
 
-.PHONY: install system-packages test test-unit test-multiprocess test-cluster demo bench bench-cluster docker wheelhouse clean
+.PHONY: install system-packages test test-unit test-multiprocess test-cluster test-slurm demo bench bench-cluster docker wheelhouse clean
 
 install: $(VENV)/.installed
 
 # What the test suite needs beyond make install: iproute2 and util-linux for the emulated
-# cluster, podman, runc and debootstrap for building the image where no Docker daemon runs.
+# cluster, podman, runc and debootstrap for building the image where no Docker daemon runs,
+# SLURM and munge for the SLURM stage. Their services are not started at install (policy-rc.d):
+# the SLURM stage starts its own daemons inside the emulated nodes.
+SYSTEM_TOOLS := ip:iproute2 tc:iproute2 unshare:util-linux podman:podman runc:runc \
+  debootstrap:debootstrap slurmctld:slurmctld slurmd:slurmd sbatch:slurm-client munged:munge
 system-packages:
-	@missing=""; for tool in ip:iproute2 tc:iproute2 unshare:util-linux podman:podman runc:runc debootstrap:debootstrap; do \
-	  command -v $${tool%%:*} >/dev/null || missing="$$missing $${tool##*:}"; done; \
+	@missing=""; for tool in $(SYSTEM_TOOLS); do \
+	  PATH="$$PATH:/usr/sbin:/sbin" command -v $${tool%%:*} >/dev/null || missing="$$missing $${tool##*:}"; done; \
 	if [ -n "$$missing" ]; then echo "installing from Debian packages:$$missing"; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; fi
+	  policy=/usr/sbin/policy-rc.d; made=""; \
+	  if [ ! -e $$policy ]; then printf '#!/bin/sh\nexit 101\n' | $$SUDO tee $$policy >/dev/null && $$SUDO chmod +x $$policy && made=1; fi; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; status=$$?; \
+	  [ -z "$$made" ] || $$SUDO rm -f $$policy; exit $$status; fi
 
 $(VENV)/.installed: setup.cfg pyproject.toml tools/build_horovod.sh Makefile
 	@command -v mpirun >/dev/null || { \
@@ -53,6 +60,10 @@ test: install system-packages
 
 test-cluster: install system-packages
 	$(PY) tools/run_tests.py --cluster-only
+
+# The SLURM stage alone (prints each job's final SLURM state)
+test-slurm: install system-packages
+	$(PY) tools/run_tests.py --slurm-only
 
 test-unit: install
 	$(PY) -m pytest -q tests/unit

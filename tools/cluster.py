@@ -196,6 +196,11 @@ class Cluster:
         self._previous_handlers: dict[int, object] = {}
         self._up = False
 
+    @property
+    def state_dir(self) -> Path:
+        """This cluster's folder (removed at teardown): for what runs on it to keep state in."""
+        return self._state
+
     # -- life cycle ------------------------------------------------------------------------
 
     def __enter__(self) -> "Cluster":

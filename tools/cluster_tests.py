@@ -369,6 +369,48 @@ def run_elastic_replace(timeout_s: int) -> bool:
                         "elastic replace ok", timeout_s)
 
 
+MCA_PARAMS_FILE = ROOT / "docker" / "openmpi-mca-params.conf"
+
+
+def recommended_mca() -> list[str]:
+    """``--mca NAME VALUE`` for every setting of docker/openmpi-mca-params.conf: the file the
+    image installs and docs/launch.md recommends, used here as users would pass it."""
+    args = []
+    for line in MCA_PARAMS_FILE.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, value = (part.strip() for part in line.split("=", 1))
+            args += ["--mca", name, value]
+    return args
+
+
+def run_head_node(fault: str) -> bool:
+    """mpirun on a head node that runs no rank (node 0), 2 ranks on each of nodes 1 and 2, the
+    recommended Open MPI settings; at step 10 node 2's link is cut or node 2 dies."""
+    label = f"mpirun on a head node, node 2 {'cut off' if fault == 'cut' else 'lost'} mid-training"
+    print(f"\n=== fault: {label} (HVA_TIMEOUT_SECONDS={FAULT_TIMEOUT_S})", flush=True)
+    bound = 2 * FAULT_TIMEOUT_S
+    with tempfile.TemporaryDirectory() as tmp, Cluster(3, RATE_MBIT) as cluster:
+        checkpoints = Path(tmp)
+        env = test_launch_env(HVA_TIMEOUT_SECONDS=str(FAULT_TIMEOUT_S))
+        argv = _mpirun(cluster, [0, 2, 2], env, *recommended_mca()) + _train_argv(checkpoints)
+        trigger = (lambda: cluster.cut_link(2)) if fault == "cut" else (lambda: cluster.kill_node(2))
+        outcome = _run_with_fault(cluster, argv, env, "rank 0 step 10 ", trigger, bound + 60,
+                                  checkpoints)
+        caught = _caught_by_rank(checkpoints)
+        problems = _checkpoints_load(checkpoints, caught)
+    out = outcome.output
+    names_lost = [line.strip() for line in out.splitlines() if "cluster_train:" not in line
+                  and any(k in line for k in LOSS_REPORTS)]
+    ok = (outcome.over_after_fault is not None and outcome.over_after_fault <= bound
+          and outcome.returncode not in (0, None) and "reached the end of training" not in out
+          and bool(names_lost) and not problems)
+    notes = [f"what names the loss: {' | '.join(names_lost[:3])[:400]}",
+             f"ranks that raised a named error and wrote a checkpoint: {sorted(caught)}",
+             f"bound: {bound} s (2x the timeout)", *problems]
+    return _report(label, ok, outcome, notes)
+
+
 def run_all(bin_dir: Path, timeout_s: int, log: StageLog) -> None:
     """Every multi-node launch, recorded in ``log``; a machine that cannot emulate nodes fails
     them with its reason."""
@@ -388,6 +430,8 @@ def run_all(bin_dir: Path, timeout_s: int, log: StageLog) -> None:
     log.run("cut link, Gloo", lambda: run_cut_link("gloo", start_up_sets=False))
     log.run("node lost, MPI", lambda: run_node_lost("mpi"))
     log.run("node lost, Gloo", lambda: run_node_lost("gloo"))
+    log.run("head-node mpirun, link cut", lambda: run_head_node("cut"))
+    log.run("head-node mpirun, node lost", lambda: run_head_node("lost"))
     log.run("slow link", run_slow_link)
     log.run("elastic across nodes", lambda: run_elastic_nodes(timeout_s))
     log.run("elastic same-size replacement", lambda: run_elastic_replace(timeout_s))

@@ -1,21 +1,22 @@
-"""The main job: synchronous SGD vs. local, post-local, hierarchical SGD and DiLoCo, same budget.
+"""The main job: a time-to-quality race on the link between nodes.
 
-``--task charlm`` (default): a character-level transformer language model on the Python standard
-library's source; ``--task digits``: the digits MLP (fast, for tests). Every method gets the same
-seed, model, data shards and number of steps. Rank 0 prints progress and a table (final metric,
-wall time without evaluation, time to reach synchronous SGD's final held-out loss, global and
-local rounds, bytes over the link between nodes counted by the library) and writes
-``results.json``, ``results.md`` and the plots (metric against wall time and against global
-rounds).
+The baseline is what a Horovod user runs today, ``hvd.DistributedOptimizer``; it trains a fixed
+number of steps and its wall time (evaluation excluded) is the budget. Every other method trains
+as many steps as fit in that budget. The model each method would hand a user (the average over
+ranks; DiLoCo's global copy) is evaluated on one shared wall-clock grid; the target is the
+baseline's final held-out loss. Rank 0 prints progress, a table and writes ``results.json``,
+``results.md`` and two plots (held-out loss against wall time and against MB across the link).
 
     horovodrun -np 4 python -m hvd_averaging.examples.train --out results/demo
-    python tools/run_demo.py      # the same on 2 emulated nodes with a slow link (make demo)
+    python tools/run_demo.py      # on 2 emulated nodes, the link rate calibrated (make demo)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import statistics
 import time
 from pathlib import Path
 
@@ -23,176 +24,28 @@ import horovod.torch as hvd
 import torch
 
 import hvd_averaging as hva
+from hvd_averaging.examples.methods import (DEFAULT_METHODS, build_trainer, check_race_args,
+                                            label, parse_hierarchy, parse_methods)
+from hvd_averaging.examples.race import (RaceLimits, evaluate_snapshots, grid_times,
+                                         pick_on_grid, run_method, shared_folder, time_to_reach)
+from hvd_averaging.examples.report import plot, summarize, table
 from hvd_averaging.examples.tasks import TASKS
 
-__all__ = ["main", "parse_hierarchy", "METHODS"]
+__all__ = ["main", "parse_args", "measure_regime", "race_one_seed"]
 
-METHODS = ("sync", "local", "postlocal", "hierarchical", "diloco", "hierdiloco")
-
-
-def parse_hierarchy(text: str) -> dict[int, int]:
-    """``"2:2,8:4"`` -> ``{2: 2, 8: 4}`` (period:group size pairs)."""
-    try:
-        pairs = [item.split(":") for item in text.split(",") if item.strip()]
-        return {int(p): int(s) for p, s in pairs}
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--hierarchy {text!r}: expected period:size pairs like 2:2,8:4") from None
+TARGET_RATIO = (4.0, 5.0)  # the baseline's allreduce across the link against a step's compute
 
 
-def build_optimizer(method: str, model, args, task, total_steps: int):
-    """The method as one optimizer object: the training loop is the same for all."""
-    local = task.inner_optimizer(model.parameters(), args.lr)
-    if method == "sync":
-        # a warm-up spanning the whole run is synchronous SGD: gradients averaged every step
-        return hva.PostLocalSGD(local, model.named_parameters(), start_localSGD_iter=total_steps,
-                                averager=hva.PeriodicModelAverager(2, warmup_steps=total_steps))
-    if method == "local":
-        return hva.PostLocalSGDOptimizer(local, hva.PeriodicModelAverager(args.period))
-    if method == "postlocal":
-        start = max(1, total_steps * args.warmup_percent // 100)
-        return hva.PostLocalSGD(
-            local, model.named_parameters(), start_localSGD_iter=start,
-            averager=hva.PeriodicModelAverager(args.period, warmup_steps=start),
-            local_group_size=args.local_group_size)
-    if method == "hierarchical":
-        return hva.PostLocalSGDOptimizer(local, hva.HierarchicalModelAverager(args.hierarchy))
-    if method == "diloco":
-        return hva.DiLoCo(local, hva.PeriodicModelAverager(args.outer_period))
-    if method == "hierdiloco":
-        return hva.DiLoCo(local, hva.HierarchicalModelAverager(args.outer_hierarchy))
-    raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
-
-
-def label(method: str, args) -> str:
-    levels = lambda h: ",".join(f"{p}:{s}" for p, s in h.items())  # noqa: E731
-    return {
-        "sync": "synchronous SGD",
-        "local": f"local SGD (period {args.period})",
-        "postlocal": (f"post-local SGD (warm-up {args.warmup_percent}%, period {args.period}, "
-                      f"node-local grads in groups of {args.local_group_size})"),
-        "hierarchical": f"hierarchical SGD {levels(args.hierarchy)}",
-        "diloco": f"DiLoCo (outer step every {args.outer_period})",
-        "hierdiloco": f"hierarchical DiLoCo {levels(args.outer_hierarchy)}",
-    }[method]
-
-
-def train(method: str, args, task) -> dict:
-    rank, size = hvd.rank(), hvd.size()
-    total_steps = args.steps
-    model = task.model(args.seed)
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    opt = build_optimizer(method, model, args, task, total_steps)
-    batches = task.batches(rank, size, args.seed)
-    eval_every = max(1, total_steps // args.evals)
-    hva.reset_traffic()
-    curve = [(0.0, 0, task.evaluate(model))]  # (seconds without evaluation, global rounds, metric)
-    hvd.barrier()
-    start = time.perf_counter()
-    evaluating = 0.0
-    for step in range(total_steps):
-        x, y = next(batches)
-        opt.zero_grad()
-        task.loss(model, x, y).backward()
-        opt.step()
-        if (step + 1) % eval_every == 0 and step + 1 < total_steps:
-            began = time.perf_counter()
-            metric = task.evaluate(model)  # every rank its own model, so all pay the same
-            evaluating += time.perf_counter() - began
-            curve.append((time.perf_counter() - start - evaluating,
-                          hva.traffic().global_allreduces, metric))
-            if rank == 0 and not args.quiet:
-                print(f"  {method:<12} step {step + 1:>5}/{total_steps}  rank-0 {task.metric} "
-                      f"{metric:.4f}  {curve[-1][0]:6.1f} s  global rounds "
-                      f"{hva.traffic().global_allreduces}", flush=True)
-    # one final global average so every rank ends with the same model (counted below)
-    hva.average_parameters(model.parameters())
-    hvd.barrier()
-    wall = time.perf_counter() - start - evaluating
-    final = task.evaluate(model)
-    counted = hva.traffic()
-    curve.append((wall, counted.global_allreduces, final))
-    agreed = hvd.allgather_object(round(final, 6))
-    assert len(set(agreed)) == 1, f"ranks disagree on the final model: {agreed}"
-    return {
-        "method": method,
-        "label": label(method, args),
-        "final_metric": final,
-        "global_allreduces": counted.global_allreduces,
-        "local_allreduces": counted.local_allreduces,
-        "bytes_per_rank": counted.bytes,
-        "cross_node_bytes_per_rank": counted.cross_node_bytes,
-        "wall_s": wall,
-        "steps": total_steps,
-        "curve": curve,
-    }
-
-
-def time_to_reach(result: dict, target: float, lower_is_better: bool) -> float | None:
-    """First wall time (without evaluation) at which the metric reached ``target``."""
-    for seconds, _, metric in result["curve"]:
-        if (metric <= target) if lower_is_better else (metric >= target):
-            return seconds
-    return None
-
-
-def table(results: list[dict], task) -> str:
-    base = results[0]
-    lower = task.lower_is_better
-    # within 2% of synchronous SGD's final metric
-    target = base["final_metric"] * (1.02 if lower else 0.98)
-    extra = " | perplexity" if lower else ""
-    rows = [f"| method | final {task.metric}{extra} | wall s | time to sync's final "
-            "(within 2%) | global rounds | local rounds | MB/rank over the link between nodes |",
-            "|---|---|---|---|---|---|---|" + ("---|" if lower else "")]
-    for r in results:
-        reached = time_to_reach(r, target, lower)
-        ppl = f" | {task.perplexity(r['final_metric']):.2f}" if lower else ""
-        rows.append(
-            f"| {r['label']} | {r['final_metric']:.4f}{ppl} | {r['wall_s']:.1f} | "
-            f"{'not reached' if reached is None else f'{reached:.1f} s'} | "
-            f"{r['global_allreduces']} | {r['local_allreduces']} | "
-            f"{r['cross_node_bytes_per_rank'] / 1e6:.1f} |")
-    return "\n".join(rows)
-
-
-def plot(results: list[dict], task, out: Path) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    written = []
-    for index, (name, xlabel) in enumerate((
-            ("vs_wall_time", "wall-clock seconds (evaluation excluded)"),
-            ("vs_global_rounds", "global communication rounds (allreduces over all ranks)"))):
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for r in results:
-            xs = [point[index] for point in r["curve"]]
-            ax.plot(xs, [point[2] for point in r["curve"]], marker=".", label=r["label"])
-        if index == 1:
-            ax.set_xscale("symlog")
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(f"{task.metric} (rank 0's model)")
-        ax.set_title(f"{task.name}, {hvd.size()} ranks, {results[0]['steps']} steps per method")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = out / f"{task.metric.replace(' ', '_').replace('-', '_')}_{name}.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        written.append(path.name)
-    return written
-
-
-def measure_regime(task, args) -> str:
-    """One training step's compute against one synchronous gradient allreduce, measured here."""
+def measure_regime(task, args, repeats: int = 5) -> tuple[float, float]:
+    """One training step's compute and one gradient allreduce as the baseline sends it (fp16
+    when ``--baseline-fp16``), medians of ``repeats`` after a warm-up, slowest rank."""
     model = task.model(args.seed)
     opt = task.inner_optimizer(model.parameters(), args.lr)
     batches = task.batches(hvd.rank(), hvd.size(), args.seed)
-    grads = [torch.zeros_like(p) for p in model.parameters()]
+    dtype = torch.float16 if args.baseline_fp16 else torch.float32
+    grads = [torch.zeros_like(p, dtype=dtype) for p in model.parameters()]
     computes, allreduces = [], []
-    for i in range(6):
+    for _ in range(repeats + 1):
         x, y = next(batches)
         hvd.barrier()
         began = time.perf_counter()
@@ -204,39 +57,157 @@ def measure_regime(task, args) -> str:
         began = time.perf_counter()
         hvd.grouped_allreduce_(grads, op=hvd.Average, name="demo.regime")
         allreduces.append(time.perf_counter() - began)
-    compute = sorted(computes[1:])[len(computes[1:]) // 2]
-    allreduce = sorted(allreduces[1:])[len(allreduces[1:]) // 2]
-    slowest = max(hvd.allgather_object((compute, allreduce), name="demo.regime.all"))
-    compute, allreduce = slowest
-    params = sum(p.numel() for p in model.parameters())
-    return (f"{params / 1e3:.0f} k parameters; one training step {compute * 1e3:.0f} ms of compute, "
-            f"one synchronous gradient allreduce {allreduce * 1e3:.0f} ms: ratio "
-            f"{allreduce / compute:.1f}x (medians of 5, slowest rank)")
+    mine = (statistics.median(computes[1:]), statistics.median(allreduces[1:]))
+    measured = hvd.allgather_object(mine, name="demo.regime.all")
+    return max(c for c, _ in measured), max(a for _, a in measured)
+
+
+def _request_rate(args, rate_mbit: float, attempt: int) -> None:
+    """Ask tools/run_demo.py (watching rank 0's output) to set the link rate, and wait for it."""
+    if hvd.rank() == 0:
+        done = Path(args.rate_control) / f"rate-set-{attempt}"
+        print(f"HVA-DEMO-SET-RATE {rate_mbit:.4f} {attempt}", flush=True)
+        deadline = time.monotonic() + 60
+        while not done.exists():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the demo's launcher did not set the link rate ({done} missing)")
+            time.sleep(0.1)
+    hvd.barrier()
+
+
+def calibrate(task, args) -> dict:
+    """Measure the regime; with ``--rate-control``, move the link rate until the baseline's
+    allreduce costs 4-5x a step's compute (a = overhead + k / rate, fitted on the last two)."""
+    rate, points = args.rate_mbit, []
+    for attempt in range(5):
+        compute, allreduce = measure_regime(task, args)
+        points.append({"rate_mbit": rate, "compute_step_s": compute, "allreduce_s": allreduce})
+        ratio = allreduce / compute
+        if hvd.rank() == 0 and not args.quiet:
+            where = f"{rate:.2f} Mbit/s" if rate else "an unlimited link"
+            print(f"  regime at {where}: step {compute * 1e3:.0f} ms "
+                  f"of compute, allreduce {allreduce * 1e3:.0f} ms: {ratio:.1f}x", flush=True)
+        if args.rate_control is None or rate is None or TARGET_RATIO[0] <= ratio <= TARGET_RATIO[1]:
+            break
+        want = compute * sum(TARGET_RATIO) / 2
+        new_rate = rate * ratio / (sum(TARGET_RATIO) / 2)
+        if len(points) >= 2 and points[-2]["rate_mbit"] != rate:
+            (r0, a0), (r1, a1) = ((p["rate_mbit"], p["allreduce_s"]) for p in points[-2:])
+            slope = (a0 - a1) / (1 / r0 - 1 / r1)
+            overhead = a1 - slope / r1
+            if slope > 0 and want > overhead:
+                new_rate = slope / (want - overhead)
+        rate = min(max(new_rate, 0.5), 10_000.0)
+        _request_rate(args, rate, attempt)
+    compute, allreduce = points[-1]["compute_step_s"], points[-1]["allreduce_s"]
+    return {"compute_step_s": compute, "allreduce_s": allreduce, "ratio": allreduce / compute,
+            "rate_mbit": rate, "calibrated": args.rate_control is not None and len(points) > 1,
+            "target_ratio": list(TARGET_RATIO), "attempts": points}
+
+
+def check_link_fits_timeout(regime: dict, args) -> None:
+    """A model average across this link must fit the library's timeout (with room to spare)."""
+    model_average_s = regime["allreduce_s"] * (2 if args.baseline_fp16 else 1)
+    if model_average_s > hva.timeout() / 2:
+        raise ValueError(
+            f"link rate {regime['rate_mbit']} Mbit/s: one model average takes about "
+            f"{model_average_s:.1f} s, more than half the averaging timeout ({hva.timeout():g} s); "
+            "raise --rate-mbit or HVA_TIMEOUT_SECONDS")
+
+
+def race_one_seed(seed: int, args, task, baseline_steps: int, snapshots_dir) -> tuple[float, list[dict]]:
+    """Every method once with this seed; returns (budget in seconds, per-method results, rank 0
+    only: the others get empty dicts)."""
+    budget, results, target = args.budget_s, [], None
+    eval_model = task.model(seed)
+    for method in args.methods:
+        model = task.model(seed)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        warmup = max(1, baseline_steps * args.warmup_percent // 100)
+        trainer = build_trainer(method, model, task, args, warmup_steps=warmup)
+        by_steps = method == "baseline" and args.budget_s is None
+        limits = RaceLimits(budget_s=None if by_steps else budget,
+                            steps=baseline_steps if by_steps else None,
+                            grid_points=args.grid_points, label=method)
+        hva.reset_traffic()
+        run = run_method(trainer, task.batches(hvd.rank(), hvd.size(), seed), limits,
+                         link_interface=args.link_interface, quiet=args.quiet,
+                         name=f"race.{seed}.{method}")
+        walls = hvd.allgather_object((run.wall_s, run.compute_s / run.wall_s),
+                                     name=f"race.{seed}.{method}.wall")
+        wall = max(w for w, _ in walls)
+        budget = wall if budget is None else budget
+        points = pick_on_grid(run.snapshots, grid_times(budget, args.grid_points), run.final)
+        folder = snapshots_dir / f"seed{seed}-{method}" if snapshots_dir else None
+        curve = evaluate_snapshots(points, eval_model, task.evaluate, folder,
+                                   f"race.{seed}.{method}.eval")
+        if hvd.rank() != 0:
+            results.append({})
+            continue
+        final = curve[-1][-1]
+        target = final if method == "baseline" and target is None else target
+        reached = time_to_reach(curve, target, task.lower_is_better) if target is not None else None
+        results.append({
+            "seed": seed, "final_loss": final, "steps": run.steps, "wall_s": wall,
+            "time_to_target_s": reached,
+            "speedup_vs_baseline": budget / reached if reached else None,
+            "compute_utilization": statistics.fmean(u for _, u in walls),
+            "cross_node_mb_per_rank": curve[-1][2], "target_loss": target, "budget_s": budget,
+            "curve": curve})
+        if not args.quiet:
+            print(f"  {method:<12} done: {run.steps} steps, {wall:.1f} s, {task.metric} {final:.4f}"
+                  f"{'' if reached is None else f', target reached at {reached:.1f} s'}", flush=True)
+    return budget, results
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--task", choices=tuple(TASKS), default="charlm")
-    parser.add_argument("--method", choices=("all",) + METHODS, default="all")
+    parser.add_argument("--methods", type=parse_methods, default=DEFAULT_METHODS,
+                        help=f"comma-separated (default {','.join(DEFAULT_METHODS)})")
     parser.add_argument("--steps", type=int, default=None,
-                        help="steps per method (default: charlm 200, digits 20 epochs)")
-    parser.add_argument("--period", type=int, default=16, help="local/post-local averaging period")
+                        help="the baseline's steps (default: what fits in --target-budget-s)")
+    parser.add_argument("--target-budget-s", type=float, default=70.0,
+                        help="aim for a budget this long, from the measured regime")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="every method's budget, the baseline's too (default: the baseline's wall)")
+    parser.add_argument("--period", type=int, default=16, help="local SGD's averaging period")
     parser.add_argument("--hierarchy", type=parse_hierarchy, default=None,
-                        help="period:size pairs (default 2:2,16:WORLD)")
-    parser.add_argument("--outer-period", type=int, default=16, help="DiLoCo: steps per outer step")
+                        help="hierarchical SGD's period:size pairs (default 2:2,16:WORLD)")
+    parser.add_argument("--outer-period", type=int, default=16, help="DiLoCo's H")
     parser.add_argument("--outer-hierarchy", type=parse_hierarchy, default=None,
-                        help="hierarchical DiLoCo period:size pairs (default 2:2,16:WORLD)")
+                        help="hierarchical DiLoCo's period:size pairs (default 2:2,H:WORLD)")
+    parser.add_argument("--outer-delay", type=int, default=8,
+                        help="inner steps the outer round overlaps (0: synchronous DiLoCo)")
+    parser.add_argument("--outer-lr", type=float, default=0.5,
+                        help="DiLoCo's outer lr (0.5 with Nesterov 0.9: the sweep, docs/demo.md)")
+    parser.add_argument("--outer-momentum", type=float, default=0.9, help="Nesterov when > 0")
     parser.add_argument("--warmup-percent", type=int, default=10,
-                        help="post-local SGD: share of steps with global gradient allreduce")
-    parser.add_argument("--local-group-size", type=int, default=2,
-                        help="post-local SGD: gradient group size after warm-up (the node)")
-    parser.add_argument("--lr", type=float, default=None, help="inner learning rate")
-    parser.add_argument("--evals", type=int, default=15, help="evaluations per method")
-    parser.add_argument("--seed", type=int, default=0)
+                        help="post-local SGD: the share of the baseline's steps with gradient allreduce")
+    parser.add_argument("--local-group-size", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=None, help="inner learning rate, every method")
+    parser.add_argument("--baseline-fp16", action="store_true",
+                        help="the baseline sends float16 gradients (hvd.Compression.fp16)")
+    parser.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1")
+    parser.add_argument("--full", action="store_true", help="3 seeds")
+    parser.add_argument("--grid-points", type=int, default=40, help="evaluations per method")
+    parser.add_argument("--rate-mbit", type=float, default=None, help="the link rate now (run_demo)")
+    parser.add_argument("--rate-control", default=None,
+                        help="folder for the rate handshake with tools/run_demo.py (calibration)")
+    parser.add_argument("--link-interface", default=None,
+                        help="count bytes sent by this interface (the emulated node's link)")
+    parser.add_argument("--seed", type=int, default=0, help="the regime measurement's seed")
     parser.add_argument("--out", type=Path, default=Path("results/demo"))
-    parser.add_argument("--fast", action="store_true", help="a short run (for tests)")
+    parser.add_argument("--fast", action="store_true", help="a short race (for tests)")
     parser.add_argument("--quiet", action="store_true")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.full:
+        args.seeds = 3
+    if args.fast:
+        args.target_budget_s, args.grid_points = 6.0, 8
+        args.period, args.outer_period, args.outer_delay = 4, 4, 2
+    check_race_args(args)
+    return args
 
 
 def main(argv=None) -> int:
@@ -245,31 +216,58 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)  # ranks share the cores
     task = TASKS[args.task]()
     size = hvd.size()
-    if args.steps is None:
-        args.steps = 200 if args.task == "charlm" else 20 * task.steps_per_epoch(size)
-    if args.fast:
-        args.steps = 40 if args.task == "charlm" else 2 * task.steps_per_epoch(size)
     args.lr = task.default_lr if args.lr is None else args.lr
     pair = min(2, size)
-    args.hierarchy = args.hierarchy or {2: pair, 16: size}
-    args.outer_hierarchy = args.outer_hierarchy or {2: pair, 16: size}
+    args.hierarchy = args.hierarchy or {2: pair, args.period: size}
+    args.outer_hierarchy = args.outer_hierarchy or {2: pair, args.outer_period: size}
     args.local_group_size = min(args.local_group_size, size)
-    methods = METHODS if args.method == "all" else ("sync", args.method)
-    methods = tuple(dict.fromkeys(methods))  # the baseline always runs first
-    regime = measure_regime(task, args)
+    regime = calibrate(task, args)
+    check_link_fits_timeout(regime, args)
+    baseline_steps = args.steps or max(4, round(
+        args.target_budget_s / (regime["compute_step_s"] + regime["allreduce_s"])))
+    link = f"{regime['rate_mbit']:.2f} Mbit/s" if regime["rate_mbit"] else "not limited"
     if hvd.rank() == 0:
-        print(f"{task.describe()}; {size} ranks; {regime}", flush=True)
-    results = [train(method, args, task) for method in methods]
+        print(f"{task.describe()}; {size} ranks; link {link}: one step "
+              f"{regime['compute_step_s'] * 1e3:.0f} ms of compute, the baseline's allreduce "
+              f"{regime['allreduce_s'] * 1e3:.0f} ms ({regime['ratio']:.1f}x); baseline "
+              f"{baseline_steps} steps, every other method the same wall time", flush=True)
+    snapshots_dir = args.out / ".snapshots" if shared_folder(args.out) else None
+    per_method = {m: [] for m in args.methods}
+    budgets = []
+    for seed in range(args.seeds):
+        budget, results = race_one_seed(seed, args, task, baseline_steps, snapshots_dir)
+        budgets.append(budget)
+        for method, result in zip(args.methods, results):
+            per_method[method].append(result)
+    hvd.barrier()
+    if hvd.rank() == 0 and snapshots_dir is not None:
+        shutil.rmtree(snapshots_dir, ignore_errors=True)  # emptied rank by rank: only folders left
     if hvd.rank() == 0:
+        methods = [summarize(m, label(m, args), seeds) for m, seeds in per_method.items()]
+        targets = [s["target_loss"] for s in methods[0]["seeds"]]
+        target = statistics.fmean(targets) if None not in targets else None
+        md = table(methods, task.metric)
+        header = (f"{task.describe()}; {size} ranks; {args.seeds} seed(s); link "
+                  f"{link}: step {regime['compute_step_s'] * 1e3:.0f} ms, "
+                  f"baseline allreduce {regime['allreduce_s'] * 1e3:.0f} ms ({regime['ratio']:.1f}x); "
+                  f"budget {statistics.fmean(budgets):.1f} s; target "
+                  f"{'none (no baseline)' if target is None else f'{task.metric} {target:.4f}'}")
+        print("\n" + header + "\n\n" + md, flush=True)
         args.out.mkdir(parents=True, exist_ok=True)
-        md = table(results, task)
-        print("\n" + md, flush=True)
-        (args.out / "results.md").write_text(f"{task.describe()}; {size} ranks; {regime}\n\n{md}\n")
-        (args.out / "results.json").write_text(json.dumps(
-            {"task": args.task, "metric": task.metric, "lower_is_better": task.lower_is_better,
-             "ranks": size, "steps": args.steps, "lr": args.lr,
-             "seed": args.seed, "regime": regime, "results": results}, indent=1))
-        plots = plot(results, task, args.out)
+        (args.out / "results.md").write_text(header + "\n\n" + md + "\n")
+        settings = {k: (v if not isinstance(v, Path) else str(v)) for k, v in vars(args).items()
+                    if k not in ("rate_control", "out")}
+        settings["hierarchy"] = {str(k): v for k, v in args.hierarchy.items()}
+        settings["outer_hierarchy"] = {str(k): v for k, v in args.outer_hierarchy.items()}
+        (args.out / "results.json").write_text(json.dumps({
+            "task": args.task, "metric": task.metric, "lower_is_better": task.lower_is_better,
+            "ranks": size, "baseline_steps": baseline_steps, "target_loss": target,
+            "target_loss_per_seed": targets, "budget_s": statistics.fmean(budgets),
+            "budget_s_per_seed": budgets, "regime": regime, "settings": settings,
+            "methods": methods}, indent=1))
+        title = (f"{task.name}, {size} ranks, link {link} "
+                 f"(allreduce {regime['ratio']:.1f}x a step), {args.seeds} seed(s)")
+        plots = plot(methods, target, statistics.fmean(budgets), task.metric, title, args.out)
         print(f"\nwrote {args.out}/results.md, results.json, {', '.join(plots)}", flush=True)
     return 0
 

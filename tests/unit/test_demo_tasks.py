@@ -1,9 +1,15 @@
-"""The demo's tasks and its time-to-target rule (single process; the demo itself runs under
-horovodrun in tools/run_tests.py)."""
+"""The demo's tasks and the race's pure rules: grid, time to target, arguments, summaries
+(single process; the race itself runs under horovodrun in tools/run_tests.py)."""
+import argparse
+
+import pytest
 import torch
 
+from hvd_averaging.examples.methods import METHODS, check_race_args, parse_hierarchy, parse_methods
+from hvd_averaging.examples.race import Snapshot, TrainingClock, grid_times, pick_on_grid, time_to_reach
+from hvd_averaging.examples.report import summarize, table
 from hvd_averaging.examples.tasks import CharLMTask, stdlib_text
-from hvd_averaging.examples.train import parse_hierarchy, time_to_reach
+from hvd_averaging.examples.train import parse_args
 
 
 def test_stdlib_text_is_large_and_fixed():
@@ -37,11 +43,107 @@ def test_charlm_model_predicts_every_position():
 
 
 def test_time_to_reach_uses_the_first_point_at_the_target():
-    result = {"curve": [(0.0, 0, 4.0), (1.5, 3, 2.6), (3.0, 6, 2.4), (4.0, 7, 2.45)]}
-    assert time_to_reach(result, 2.5, lower_is_better=True) == 3.0
-    assert time_to_reach(result, 2.0, lower_is_better=True) is None
-    assert time_to_reach({"curve": [(0.0, 0, 0.5), (2.0, 1, 0.9)]}, 0.8, lower_is_better=False) == 2.0
+    curve = [(0.0, 0, 0.0, 4.0), (1.5, 3, 1.0, 2.6), (3.0, 6, 2.0, 2.4), (4.0, 7, 3.0, 2.45)]
+    assert time_to_reach(curve, 2.5) == 3.0
+    assert time_to_reach(curve, 2.4) == 3.0  # at the target counts
+    assert time_to_reach(curve, 2.0) is None
+    assert time_to_reach([(0.0, 0, None, 0.5), (2.0, 1, None, 0.9)], 0.8, lower_is_better=False) == 2.0
+
+
+def test_grid_covers_zero_to_the_budget():
+    assert grid_times(10.0, 4) == [0.0, 2.5, 5.0, 7.5, 10.0]
+
+
+def _snap(seconds, step):
+    return Snapshot(seconds, step, 0.0, torch.tensor([float(step)]))
+
+
+def test_pick_on_grid_takes_the_step_that_crossed_each_time_and_the_final_after_the_end():
+    snaps = [_snap(0.0, 0), _snap(0.9, 1), _snap(2.1, 2), _snap(2.6, 3), _snap(4.2, 4)]
+    final = _snap(4.4, 5)
+    picked = pick_on_grid(snaps, [0.0, 1.0, 2.0, 3.0, 4.0, 5.0], final)
+    assert [p.step for p in picked] == [0, 2, 2, 4, 4, 5]
+
+
+def test_training_clock_leaves_out_paused_time():
+    clock = TrainingClock()
+    with clock.paused():
+        import time
+        time.sleep(0.2)
+    assert clock.now() < 0.1
+
+
+def _args(*argv):
+    return parse_args(["--quiet", *argv])
+
+
+def test_race_arguments_defaults_are_accepted():
+    args = _args()
+    assert args.methods[0] == "baseline" and args.outer_delay < args.outer_period
+    assert _args("--full").seeds == 3
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--budget-s", "0"], ["--budget-s 0.0", "positive"]),
+    (["--budget-s", "-3"], ["--budget-s -3.0", "positive"]),
+    (["--outer-delay", "16", "--outer-period", "16"], ["--outer-delay 16", "0..15"]),
+    (["--outer-delay", "-1"], ["--outer-delay -1"]),
+    (["--methods", "diloco"], ["without the baseline", "--budget-s"]),
+    (["--period", "0"], ["--period 0", "positive integer"]),
+    (["--outer-momentum", "1.0"], ["--outer-momentum 1.0", "[0, 1)"]),
+    (["--lr", "0"], ["--lr 0.0", "positive"]),
+])
+def test_bad_race_arguments_name_the_value_and_the_rule(argv, words):
+    with pytest.raises(ValueError) as raised:
+        _args(*argv)
+    for word in words:
+        assert word in str(raised.value)
+
+
+def test_a_method_alone_runs_with_a_budget():
+    assert _args("--methods", "diloco", "--budget-s", "30").methods == ("diloco",)
+
+
+def test_unknown_method_names_the_choices():
+    with pytest.raises(argparse.ArgumentTypeError) as raised:
+        parse_methods("baseline,sgd")
+    assert "'sgd'" in str(raised.value) and all(m in str(raised.value) for m in METHODS)
+
+
+def test_summary_means_over_seeds_and_a_missed_target_is_not_averaged_away():
+    seeds = [dict(final_loss=2.0, steps=10, wall_s=5.0, time_to_target_s=2.0, speedup_vs_baseline=2.5,
+                  compute_utilization=0.9, cross_node_mb_per_rank=1.0, curve=[]),
+             dict(final_loss=2.2, steps=12, wall_s=5.0, time_to_target_s=None, speedup_vs_baseline=None,
+                  compute_utilization=0.8, cross_node_mb_per_rank=None, curve=[])]
+    summary = summarize("local", "local SGD", seeds)
+    assert summary["final_loss"] == pytest.approx(2.1)
+    assert summary["final_loss_spread"] == [2.0, 2.2]
+    assert summary["time_to_target_s"] is None and summary["reached_in"] == "1 of 2"
+    assert "reached in 1 of 2 seeds" in table([summary], "held-out loss")
 
 
 def test_parse_hierarchy():
     assert parse_hierarchy("2:2,16:4") == {2: 2, 16: 4}
+
+
+def test_a_link_too_slow_for_the_timeout_is_refused_with_the_fix():
+    import hvd_averaging as hva
+    from hvd_averaging.examples.train import check_link_fits_timeout
+
+    args = _args()
+    limit = hva.timeout()
+    check_link_fits_timeout({"rate_mbit": 10.0, "allreduce_s": limit / 2 - 0.1}, args)
+    with pytest.raises(ValueError) as raised:
+        check_link_fits_timeout({"rate_mbit": 0.5, "allreduce_s": limit}, args)
+    assert "link rate 0.5 Mbit/s" in str(raised.value) and "HVA_TIMEOUT_SECONDS" in str(raised.value)
+
+
+def test_stop_rule_uses_the_pace_since_the_last_point_and_never_the_first_interval():
+    from hvd_averaging.examples.race import stop_at_sync_point
+
+    # the first point: 1.5 s of start-up for 1 step would predict 48 s for 32 more: no stop
+    assert not stop_at_sync_point(1.5, 1, None, 32, 35.0)
+    assert stop_at_sync_point(36.0, 1, None, 32, 35.0)  # the budget is spent
+    # 0.3 s a step since the last point: 16 more steps end at 34.8 s (fits) or 35.4 s (does not)
+    assert not stop_at_sync_point(30.0, 100, (25.2, 84), 16, 35.0)
+    assert stop_at_sync_point(30.6, 100, (25.8, 84), 16, 35.0)

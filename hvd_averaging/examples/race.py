@@ -1,0 +1,274 @@
+"""The race's mechanics: one method trained against a wall-clock budget, and the models a user
+would have been handed, snapshotted on a wall-clock grid and evaluated afterwards.
+
+- The clock counts training only: snapshots and evaluation pause it (:class:`TrainingClock`).
+- Ranks stop together: the decision is taken at the method's synchronization points (every step
+  for gradient allreduce, after each top-level round for the averagers) from the slowest rank's
+  clock, so no rank is left waiting in a collective the others skipped, and no collective is
+  added while a delayed (overlapped) round is in flight.
+- "The model a user would be handed" is the average over all ranks of their parameters, or, for
+  DiLoCo, the global copy. Each rank keeps its snapshots; afterwards rank 0 averages them over
+  the ranks (through files when every rank sees the output folder, as on one host or a shared
+  file system; otherwise by allreduce, outside the clock) and evaluates them.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Optional, Sequence
+
+import horovod.torch as hvd
+import torch
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+__all__ = ["TrainingClock", "Snapshot", "Trainer", "RaceLimits", "run_method", "grid_times",
+           "stop_at_sync_point",
+           "pick_on_grid", "evaluate_snapshots", "time_to_reach", "interface_tx_bytes",
+           "shared_folder"]
+
+
+class TrainingClock:
+    """Wall seconds since it started, without the time spent inside :meth:`paused`."""
+
+    def __init__(self) -> None:
+        self._started = time.perf_counter()
+        self._paused_s = 0.0
+
+    def now(self) -> float:
+        return time.perf_counter() - self._started - self._paused_s
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._paused_s += time.perf_counter() - began
+
+
+@dataclass
+class Snapshot:
+    """The handed-over model of one rank after ``step`` steps, ``seconds`` into training."""
+    seconds: float
+    step: int
+    link_bytes: float  # sent across the link between nodes per rank so far
+    params: torch.Tensor  # flat, float32, on the CPU
+
+
+class Trainer:
+    """One method's training step, seen by the race.
+
+    ``step(x, y)`` trains one step and returns (training loss, compute seconds: forward,
+    backward and the inner optimizer step); ``sync_point(step)`` says whether the ranks are in
+    step after ``step`` steps (no round in flight), so that the race may agree to stop there;
+    ``handed_params()`` are the tensors a user would take away (averaged over ranks later).
+    """
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+        raise NotImplementedError
+
+    def sync_point(self, step: int) -> bool:
+        raise NotImplementedError
+
+    def handed_params(self) -> Sequence[torch.Tensor]:
+        raise NotImplementedError
+
+    def link_bytes(self) -> Optional[float]:
+        """Bytes this rank sent across the link so far, where nothing better is measured."""
+        return None
+
+
+@dataclass
+class RaceLimits:
+    """When a method stops: after ``steps`` steps, or the last synchronization point whose next
+    interval would end past ``budget_s`` (whichever is set; ``steps`` wins)."""
+    budget_s: Optional[float] = None
+    steps: Optional[int] = None
+    grid_points: int = 40
+    progress_every_s: float = 15.0
+    label: str = ""
+
+
+@dataclass
+class MethodRun:
+    """What one rank measured for one method."""
+    steps: int = 0
+    wall_s: float = 0.0
+    compute_s: float = 0.0
+    snapshots: list = field(default_factory=list)
+    final: Optional[Snapshot] = None
+
+
+def grid_times(budget_s: float, points: int) -> list[float]:
+    """``points + 1`` evenly spaced times from 0 to the budget, both ends included."""
+    return [budget_s * i / points for i in range(points + 1)]
+
+
+def pick_on_grid(snapshots: Sequence[Snapshot], grid: Sequence[float],
+                 final: Snapshot) -> list[Snapshot]:
+    """For each grid time, the first snapshot taken at or after it (the step that crossed it);
+    ``final`` for grid times the run did not reach."""
+    picked = []
+    for time_s in grid:
+        later = [s for s in snapshots if s.seconds >= time_s]
+        picked.append(later[0] if later else final)
+    return picked
+
+
+def interface_tx_bytes(interface: str) -> Optional[int]:
+    """Bytes sent by ``interface`` so far, from the kernel (``/proc/self/net/dev`` shows the
+    interfaces of this process's network namespace: on an emulated node, the node's link)."""
+    try:
+        lines = Path("/proc/self/net/dev").read_text().splitlines()[2:]
+    except OSError:
+        return None
+    for line in lines:
+        name, _, counters = line.partition(":")
+        if name.strip() == interface:
+            return int(counters.split()[8])
+    return None
+
+
+def _agreed_max(value: float, name: str) -> float:
+    return float(hvd.allreduce(torch.tensor([value], dtype=torch.float64), op=hvd.Max,
+                               name=name).item())
+
+
+def stop_at_sync_point(clock_s: float, steps: int, last_sync: Optional[tuple[float, int]],
+                       steps_ahead: int, budget_s: float) -> bool:
+    """Whether to stop at this synchronization point (``clock_s`` after ``steps`` steps): the
+    budget is spent, or the next point, ``steps_ahead`` steps away, would come after it at the
+    pace since the previous point ``last_sync`` = (clock, steps). At the first point there is
+    no pace yet (its interval holds start-up costs), so only a spent budget stops it."""
+    if clock_s >= budget_s:
+        return True
+    if last_sync is None or steps <= last_sync[1]:
+        return False
+    pace = (clock_s - last_sync[0]) / (steps - last_sync[1])
+    return clock_s + pace * steps_ahead > budget_s
+
+
+def run_method(trainer: Trainer, batches: Iterator, limits: RaceLimits, *,
+               link_interface: Optional[str] = None, quiet: bool = False,
+               name: str = "race") -> MethodRun:
+    """Train until the limits say stop (every rank stops at the same step); returns this rank's
+    measurements and its snapshots (every step without a budget, else on the budget's grid)."""
+    if limits.budget_s is None and limits.steps is None:
+        raise ValueError("run_method needs a budget in seconds or a number of steps")
+    ranks_on_node = max(1, hvd.local_size())
+    tx_start = interface_tx_bytes(link_interface) if link_interface else None
+
+    def link_bytes() -> float:
+        if tx_start is not None:
+            return (interface_tx_bytes(link_interface) - tx_start) / ranks_on_node
+        counted = trainer.link_bytes()
+        return float("nan") if counted is None else counted
+
+    def snapshot(clock_s: float, step: int) -> Snapshot:
+        with torch.no_grad():
+            flat = parameters_to_vector([p.detach().float().cpu() for p in trainer.handed_params()])
+        return Snapshot(clock_s, step, link_bytes(), flat.clone())
+
+    grid = grid_times(limits.budget_s, limits.grid_points) if limits.steps is None else None
+    run = MethodRun()
+    hvd.barrier()
+    clock = TrainingClock()
+    with clock.paused():
+        run.snapshots.append(snapshot(0.0, 0))
+    next_grid, next_progress, last_sync = 1, limits.progress_every_s, None
+    while True:
+        x, y = next(batches)
+        loss, compute_s = trainer.step(x, y)
+        run.steps += 1
+        run.compute_s += compute_s
+        now = clock.now()
+        with clock.paused():
+            if grid is None:
+                run.snapshots.append(snapshot(now, run.steps))
+            elif next_grid < len(grid) and now >= grid[next_grid]:
+                run.snapshots.append(snapshot(now, run.steps))
+                while next_grid < len(grid) and now >= grid[next_grid]:
+                    next_grid += 1
+            if hvd.rank() == 0 and not quiet and now >= next_progress:
+                next_progress += limits.progress_every_s
+                if limits.steps is not None:
+                    left = now / run.steps * (limits.steps - run.steps)
+                    where = f"step {run.steps:>4}/{limits.steps}"
+                else:
+                    left, where = max(0.0, limits.budget_s - now), f"step {run.steps:>4}"
+                print(f"  {limits.label:<24} {where}  training loss {loss:.3f}  "
+                      f"{now:6.1f} s  ~{left:.0f} s left", flush=True)
+        if limits.steps is not None:
+            if run.steps >= limits.steps:
+                break
+        elif trainer.sync_point(run.steps):
+            agreed = _agreed_max(now, f"{name}.clock.{run.steps}")
+            ahead = next(k for k in range(1, 1_000_000) if trainer.sync_point(run.steps + k))
+            stop = stop_at_sync_point(agreed, run.steps, last_sync, ahead, limits.budget_s)
+            last_sync = (agreed, run.steps)
+            if stop:
+                break
+    run.wall_s = clock.now()
+    run.final = snapshot(run.wall_s, run.steps)
+    return run
+
+
+def shared_folder(folder: Path) -> bool:
+    """Whether every rank sees ``folder`` (one host or a shared file system): rank 0 writes a
+    token there and every rank looks for it. Collective."""
+    token = hvd.broadcast_object(uuid.uuid4().hex if hvd.rank() == 0 else None, root_rank=0,
+                                 name="race.shared.token")
+    if hvd.rank() == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f".token-{token}").write_text("")
+    hvd.barrier()
+    seen = (folder / f".token-{token}").exists()
+    everyone = all(hvd.allgather_object(seen, name="race.shared.seen"))
+    hvd.barrier()
+    if hvd.rank() == 0:
+        (folder / f".token-{token}").unlink()
+    return everyone
+
+
+def evaluate_snapshots(points: Sequence[Snapshot], model: torch.nn.Module,
+                       evaluate: Callable[[torch.nn.Module], float], folder: Optional[Path],
+                       name: str) -> Optional[list[tuple[float, int, float, float]]]:
+    """Average each rank's snapshots over the ranks and evaluate them (collective; rank 0 gets
+    ``[(seconds, step, link MB per rank, metric)]``, the others None). Seconds, steps and bytes
+    are the slowest rank's."""
+    stacked = torch.stack([p.params for p in points])
+    meta = torch.tensor([[p.seconds, p.step, p.link_bytes] for p in points], dtype=torch.float64)
+    meta = hvd.allreduce(meta, op=hvd.Max, name=f"{name}.meta")
+    if folder is not None:
+        folder.mkdir(parents=True, exist_ok=True)
+        torch.save(stacked, folder / f"rank{hvd.rank()}.pt")
+        hvd.barrier()
+        averaged = None
+        if hvd.rank() == 0:
+            averaged = sum(torch.load(folder / f"rank{r}.pt") for r in range(hvd.size())) / hvd.size()
+        hvd.barrier()
+        (folder / f"rank{hvd.rank()}.pt").unlink()
+    else:
+        averaged = hvd.allreduce(stacked, op=hvd.Average, name=f"{name}.params")
+    if hvd.rank() != 0:
+        return None
+    curve = []
+    for (seconds, step, sent), flat in zip(meta.tolist(), averaged):
+        vector_to_parameters(flat, model.parameters())
+        megabytes = sent / 1e6 if math.isfinite(sent) else None
+        curve.append((seconds, int(step), megabytes, evaluate(model)))
+    return curve
+
+
+def time_to_reach(curve: Sequence[tuple], target: float, lower_is_better: bool = True) -> Optional[float]:
+    """Seconds of the first curve point (seconds, ..., metric) at or beyond ``target``."""
+    for point in curve:
+        metric = point[-1]
+        if (metric <= target) if lower_is_better else (metric >= target):
+            return point[0]
+    return None

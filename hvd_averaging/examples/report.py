@@ -1,0 +1,122 @@
+"""The race's results: per-method summaries over seeds, the table, ``results.json`` and the plots."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Optional, Sequence
+
+__all__ = ["summarize", "table", "plot"]
+
+
+def _mean(values: Sequence[Optional[float]]) -> Optional[float]:
+    """Mean, or None when any value is None (a seed that did not reach the target)."""
+    if not values or any(v is None for v in values):
+        return None
+    return statistics.fmean(values)
+
+
+def _spread(values: Sequence[Optional[float]]) -> Optional[list[float]]:
+    known = [v for v in values if v is not None]
+    return [min(known), max(known)] if len(known) > 1 else None
+
+
+def summarize(method: str, label: str, seeds: list[dict]) -> dict:
+    """One method over its seeds: means (None where a seed missed), min-max spreads, per seed."""
+    keys = ("final_loss", "steps", "wall_s", "time_to_target_s", "speedup_vs_baseline",
+            "compute_utilization", "cross_node_mb_per_rank")
+    out = {"method": method, "label": label}
+    for key in keys:
+        out[key] = _mean([s[key] for s in seeds])
+        out[f"{key}_spread"] = _spread([s[key] for s in seeds])
+    out["reached_in"] = f"{sum(s['time_to_target_s'] is not None for s in seeds)} of {len(seeds)}"
+    out["seeds"] = seeds
+    return out
+
+
+def _fmt(value: Optional[float], spec: str, spread: Optional[list] = None, unit: str = "") -> str:
+    if value is None:
+        return "not reached"
+    text = f"{value:{spec}}{unit}"
+    if spread:
+        text += f" ({spread[0]:{spec}}-{spread[1]:{spec}})"
+    return text
+
+
+def table(methods: list[dict], metric: str) -> str:
+    """Markdown: one row per method (mean over seeds, min-max in brackets with several)."""
+    rows = [f"| method | {metric} at the budget | steps | wall s | time to target | speed-up "
+            "| compute utilization | MB/rank across the link |", "|---|---|---|---|---|---|---|---|"]
+    for m in methods:
+        ttt = _fmt(m["time_to_target_s"], ".1f", m["time_to_target_s_spread"], " s")
+        speedup = _fmt(m["speedup_vs_baseline"], ".2f", m["speedup_vs_baseline_spread"], "x")
+        reached = sum(s["time_to_target_s"] is not None for s in m["seeds"])
+        if 0 < reached < len(m["seeds"]):
+            ttt, speedup = f"reached in {m['reached_in']} seeds", "-"
+        mb = m["cross_node_mb_per_rank"]
+        rows.append(
+            f"| {m['label']} | {_fmt(m['final_loss'], '.4f', m['final_loss_spread'])} | "
+            f"{m['steps']:.0f} | {m['wall_s']:.1f} | {ttt} | {speedup} | "
+            f"{m['compute_utilization']:.2f} | {'-' if mb is None else f'{mb:.1f}'} |")
+    return "\n".join(rows)
+
+
+def _mean_curve(seeds: list[dict], index: int) -> tuple[list, list, list, list]:
+    """Grid-aligned mean curve over seeds: x (mean of coordinate ``index``), mean, min, max."""
+    curves = [s["curve"] for s in seeds]
+    length = min(len(c) for c in curves)
+    xs, mean, low, high = [], [], [], []
+    for i in range(length):
+        coords = [c[i][index] for c in curves]
+        if any(v is None for v in coords):
+            return [], [], [], []
+        values = [c[i][-1] for c in curves]
+        xs.append(statistics.fmean(coords))
+        mean.append(statistics.fmean(values))
+        low.append(min(values))
+        high.append(max(values))
+    return xs, mean, low, high
+
+
+def plot(methods: list[dict], target: Optional[float], budget_s: float, metric: str, title: str,
+         out: Path) -> list[str]:
+    """Held-out metric against wall seconds and against MB sent across the link per rank."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for index, name, xlabel in ((0, "vs_wall_time", "training wall-clock seconds (evaluation excluded)"),
+                                (2, "vs_link_mb", "MB per rank sent across the link between nodes")):
+        fig, ax = plt.subplots(figsize=(7.5, 4.8))
+        shown = []
+        for m in methods:
+            xs, mean, low, high = _mean_curve(m["seeds"], index)
+            if not xs:
+                continue
+            line, = ax.plot(xs, mean, marker=".", markersize=3, label=m["label"])
+            if len(m["seeds"]) > 1:
+                ax.fill_between(xs, low, high, color=line.get_color(), alpha=0.15)
+            # zoom: leave out the first eighth of the budget, where every curve falls steeply
+            shown += [v for x, v in zip(xs, mean) if index != 0 or x >= budget_s / 8]
+        if target is not None:
+            ax.axhline(target, color="black", linestyle="--", linewidth=1,
+                       label=f"target: baseline's final {metric} {target:.3f}")
+            shown.append(target)
+        if shown:
+            span = max(shown) - min(shown)
+            ax.set_ylim(min(shown) - 0.05 * span, max(shown) + 0.05 * span)
+        if index == 2:
+            ax.set_xscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(f"{metric} (model averaged over ranks / DiLoCo's global copy)")
+        ax.set_title(title, fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = out / f"{metric.replace(' ', '_').replace('-', '_')}_{name}.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path.name)
+    return written
