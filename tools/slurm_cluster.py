@@ -33,7 +33,10 @@ CLIENTS = ("sbatch", "srun", "scontrol", "sinfo", "scancel")
 FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
                 "BOOT_FAIL", "DEADLINE", "PREEMPTED")
 MUNGE_PATHS = ("/usr/sbin", "/usr/bin")
-PRIVATE_TMP = "mount -t tmpfs -o size=2g,mode=1777 node_tmp /tmp"
+# PMIx's per-step client folders (named by user, job and step, not node) go under a folder each
+# node mounts for itself (the same path, a tmpfs per node): in one shared /tmp, the second
+# node's slurmstepd found the first one's and the step failed
+PRIVATE_TMP = "mount -t tmpfs -o size=1g,mode=1777 node_tmp {folder}/node-tmp"
 CGROUP_MOUNTS = ("mountpoint -q /sys/fs/cgroup || { mount -t tmpfs cgroup_root /sys/fs/cgroup && "
                  "for c in cpuset memory freezer devices; do mkdir -p /sys/fs/cgroup/$c && "
                  "mount -t cgroup -o $c cgroup /sys/fs/cgroup/$c; done; }")
@@ -88,7 +91,7 @@ def slurm_conf(cluster: Cluster, folder: Path, cpus: int, slurmd_timeout_s: int)
         "JobRequeue=0",
         "AccountingStorageType=accounting_storage/none", "JobAcctGatherType=jobacct_gather/none",
         "JobCompType=jobcomp/filetxt", f"JobCompLoc={folder}/jobcomp.txt",
-        "SlurmdParameters=config_overrides",
+        "SlurmdParameters=config_overrides", f"TmpFS={folder}/node-tmp",
         *(f"NodeName={node} NodeAddr={addr} CPUs={cpus} State=UNKNOWN" for node, addr in compute),
         f"PartitionName=hva Nodes={','.join(n for n, _ in compute)} Default=YES "
         "MaxTime=INFINITE State=UP OverSubscribe=YES",
@@ -148,6 +151,8 @@ class SlurmCluster:
         self.conf.write_text(slurm_conf(self.cluster, self.folder, self.cpus_per_node,
                                         self.slurmd_timeout_s))
         (self.folder / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\nCgroupAutomount=no\n")
+        (self.folder / "mpi.conf").write_text(f"PMIxCliTmpDirBase={self.folder}/node-tmp\n")
+        (self.folder / "node-tmp").mkdir(exist_ok=True)
         socket = self.folder / "munge.socket"
         self._daemon(0, [_which("munged"), "--foreground", "--force", f"--key-file={key}",
                          f"--socket={socket}", f"--pid-file={self.folder}/munged.pid",
@@ -160,9 +165,9 @@ class SlurmCluster:
             (self.folder / "spool" / name).mkdir(exist_ok=True)
             # `ip netns exec` mounts a fresh /sys without the cgroup hierarchies slurmd's
             # cgroup plugin looks for: mount them again in the node's mount namespace
-            # and a /tmp of the node's own, as real nodes have (PMIx's per-step folders in
-            # /tmp would collide between nodes sharing one)
-            self._daemon(index, ["/bin/bash", "-c", CGROUP_MOUNTS + " && " + PRIVATE_TMP +
+            # and a folder of the node's own for PMIx (below)
+            self._daemon(index, ["/bin/bash", "-c", CGROUP_MOUNTS + " && " +
+                                 PRIVATE_TMP.format(folder=self.folder) +
                                  ' && exec "$@"', "slurmd",
                                  _which("slurmd"), "-D", "-N", name, "-f", str(self.conf)],
                          f"slurmd-{name}.out")

@@ -123,11 +123,13 @@ class BaselineTrainer(Trainer):
         loss = self.task.loss(self.model, x, y)
         loss.backward()
         computed = time.perf_counter() - began
+        waited = time.perf_counter()
         self.opt.synchronize()
         began = time.perf_counter()
+        waited = began - waited
         with self.opt.skip_synchronize():
             self.opt.step()
-        return loss.item(), computed + time.perf_counter() - began
+        return loss.item(), computed + time.perf_counter() - began, waited
 
     def sync_point(self, step):
         return True
@@ -155,8 +157,10 @@ class AveragingTrainer(Trainer):
         loss = self.task.loss(self.model, x, y)
         loss.backward()
         computed = time.perf_counter() - began
+        began = time.perf_counter()
         self.opt.step()
-        return loss.item(), computed + self.inner.take()
+        stepped, inner = time.perf_counter() - began, self.inner.take()
+        return loss.item(), computed + inner, stepped - inner
 
     def sync_point(self, step):
         # after `step` steps: the top-level round fired at averager step `step - 1 - delay`

@@ -64,12 +64,13 @@ class Trainer:
     """One method's training step, seen by the race.
 
     ``step(x, y)`` trains one step and returns (training loss, compute seconds: forward,
-    backward and the inner optimizer step); ``sync_point(step)`` says whether the ranks are in
+    backward and the inner optimizer step, communication seconds: what the step spent waiting
+    for or running its method's communication); ``sync_point(step)`` says whether the ranks are in
     step after ``step`` steps (no round in flight), so that the race may agree to stop there;
     ``handed_params()`` are the tensors a user would take away (averaged over ranks later).
     """
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float, float]:
         raise NotImplementedError
 
     def sync_point(self, step: int) -> bool:
@@ -100,6 +101,7 @@ class MethodRun:
     steps: int = 0
     wall_s: float = 0.0
     compute_s: float = 0.0
+    communication_s: float = 0.0
     snapshots: list = field(default_factory=list)
     final: Optional[Snapshot] = None
 
@@ -183,9 +185,10 @@ def run_method(trainer: Trainer, batches: Iterator, limits: RaceLimits, *,
     next_grid, next_progress, last_sync = 1, limits.progress_every_s, None
     while True:
         x, y = next(batches)
-        loss, compute_s = trainer.step(x, y)
+        loss, compute_s, communication_s = trainer.step(x, y)
         run.steps += 1
         run.compute_s += compute_s
+        run.communication_s += communication_s
         now = clock.now()
         with clock.paused():
             if grid is None:

@@ -24,11 +24,11 @@ def _spread(values: Sequence[Optional[float]]) -> Optional[list[float]]:
 def summarize(method: str, label: str, seeds: list[dict]) -> dict:
     """One method over its seeds: means (None where a seed missed), min-max spreads, per seed."""
     keys = ("final_loss", "steps", "wall_s", "time_to_target_s", "speedup_vs_baseline",
-            "compute_utilization", "cross_node_mb_per_rank")
+            "compute_utilization", "communication_share", "cross_node_mb_per_rank")
     out = {"method": method, "label": label}
     for key in keys:
-        out[key] = _mean([s[key] for s in seeds])
-        out[f"{key}_spread"] = _spread([s[key] for s in seeds])
+        out[key] = _mean([s.get(key) for s in seeds])
+        out[f"{key}_spread"] = _spread([s.get(key) for s in seeds])
     out["reached_in"] = f"{sum(s['time_to_target_s'] is not None for s in seeds)} of {len(seeds)}"
     out["seeds"] = seeds
     return out
@@ -46,18 +46,20 @@ def _fmt(value: Optional[float], spec: str, spread: Optional[list] = None, unit:
 def table(methods: list[dict], metric: str) -> str:
     """Markdown: one row per method (mean over seeds, min-max in brackets with several)."""
     rows = [f"| method | {metric} at the budget | steps | wall s | time to target | speed-up "
-            "| compute utilization | MB/rank across the link |", "|---|---|---|---|---|---|---|---|"]
+            "| compute utilization | communication share | MB/rank across the link |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for m in methods:
         ttt = _fmt(m["time_to_target_s"], ".1f", m["time_to_target_s_spread"], " s")
         speedup = _fmt(m["speedup_vs_baseline"], ".2f", m["speedup_vs_baseline_spread"], "x")
         reached = sum(s["time_to_target_s"] is not None for s in m["seeds"])
         if 0 < reached < len(m["seeds"]):
             ttt, speedup = f"reached in {m['reached_in']} seeds", "-"
-        mb = m["cross_node_mb_per_rank"]
+        mb, share = m["cross_node_mb_per_rank"], m["communication_share"]
         rows.append(
             f"| {m['label']} | {_fmt(m['final_loss'], '.4f', m['final_loss_spread'])} | "
             f"{m['steps']:.0f} | {m['wall_s']:.1f} | {ttt} | {speedup} | "
-            f"{m['compute_utilization']:.2f} | {'-' if mb is None else f'{mb:.1f}'} |")
+            f"{m['compute_utilization']:.2f} | {'-' if share is None else f'{share:.2f}'} | "
+            f"{'-' if mb is None else f'{mb:.1f}'} |")
     return "\n".join(rows)
 
 

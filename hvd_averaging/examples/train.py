@@ -133,9 +133,10 @@ def race_one_seed(seed: int, args, task, baseline_steps: int, snapshots_dir) -> 
         run = run_method(trainer, task.batches(hvd.rank(), hvd.size(), seed), limits,
                          link_interface=args.link_interface, quiet=args.quiet,
                          name=f"race.{seed}.{method}")
-        walls = hvd.allgather_object((run.wall_s, run.compute_s / run.wall_s),
+        walls = hvd.allgather_object((run.wall_s, run.compute_s / run.wall_s,
+                                      run.communication_s / run.wall_s),
                                      name=f"race.{seed}.{method}.wall")
-        wall = max(w for w, _ in walls)
+        wall = max(w for w, _, _ in walls)
         budget = wall if budget is None else budget
         points = pick_on_grid(run.snapshots, grid_times(budget, args.grid_points), run.final)
         folder = snapshots_dir / f"seed{seed}-{method}" if snapshots_dir else None
@@ -151,7 +152,10 @@ def race_one_seed(seed: int, args, task, baseline_steps: int, snapshots_dir) -> 
             "seed": seed, "final_loss": final, "steps": run.steps, "wall_s": wall,
             "time_to_target_s": reached,
             "speedup_vs_baseline": budget / reached if reached else None,
-            "compute_utilization": statistics.fmean(u for _, u in walls),
+            "compute_utilization": statistics.fmean(u for _, u, _ in walls),
+            # the rest of the wall time: waiting for or running communication, then the race's
+            # own bookkeeping (the stop agreement, reading the loss)
+            "communication_share": statistics.fmean(c for _, _, c in walls),
             "cross_node_mb_per_rank": curve[-1][2], "target_loss": target, "budget_s": budget,
             "curve": curve})
         if not args.quiet:

@@ -27,3 +27,20 @@ def test_names_are_unique_short_and_hosts_arg_lists_slots():
     assert all(len(name) <= 15 for name in [a.bridge, *a.host_links, *a.nodes])
     assert a.hosts_arg(2) == ",".join(f"{n}:2" for n in a.nodes)
     assert a.hosts_arg([3, 1, 0]) == f"{a.nodes[0]}:3,{a.nodes[1]}:1"
+
+
+def test_slurm_conf_puts_the_controller_on_node_0_and_computes_on_the_others(tmp_path):
+    from slurm_cluster import SlurmCluster, slurm_conf
+
+    cluster = Cluster(3)
+    conf = slurm_conf(cluster, tmp_path, cpus=4, slurmd_timeout_s=12)
+    assert f"SlurmctldHost={cluster.nodes[0]}({cluster.addresses[0]})" in conf
+    nodes = [line for line in conf.splitlines() if line.startswith("NodeName=")]
+    assert [line.split()[0] for line in nodes] == [f"NodeName={n}" for n in cluster.nodes[1:]]
+    assert all("CPUs=4" in line for line in nodes)
+    assert f"PartitionName=hva Nodes={cluster.nodes[1]},{cluster.nodes[2]} " in conf
+    # state under the run's folder, a failed node's job not requeued, the timeout passed on
+    assert f"StateSaveLocation={tmp_path}/ctld" in conf and "JobRequeue=0" in conf
+    assert "SlurmdTimeout=12" in conf
+    with pytest.raises(ValueError, match="a controller and a compute node"):
+        SlurmCluster(Cluster(1))
