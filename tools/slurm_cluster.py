@@ -86,7 +86,7 @@ def slurm_conf(cluster: Cluster, folder: Path, cpus: int, slurmd_timeout_s: int)
         "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU",
         "SchedulerType=sched/backfill", "ReturnToService=2",
         f"SlurmdTimeout={slurmd_timeout_s}", "SlurmctldTimeout=30", "MessageTimeout=5",
-        "InactiveLimit=0", "KillWait=5", "MinJobAge=3600", "TreeWidth=50",
+        "InactiveLimit=0", "KillWait=2", "MinJobAge=3600", "TreeWidth=50",
         # a job on a failed node ends (NODE_FAIL) rather than going back to the queue
         "JobRequeue=0",
         "AccountingStorageType=accounting_storage/none", "JobAcctGatherType=jobacct_gather/none",

@@ -106,6 +106,15 @@ class _Timed:
         return seconds
 
 
+def _forward_backward(opt, task, model, x, y) -> tuple[torch.Tensor, float]:
+    """Gradients zeroed, forward and backward: (the loss, seconds it took)."""
+    began = time.perf_counter()
+    opt.zero_grad()
+    loss = task.loss(model, x, y)
+    loss.backward()
+    return loss, time.perf_counter() - began
+
+
 class BaselineTrainer(Trainer):
     """``hvd.DistributedOptimizer``: backward enqueues the gradient allreduces; ``synchronize()``
     waits for them (communication), then the inner step runs (compute)."""
@@ -118,11 +127,7 @@ class BaselineTrainer(Trainer):
                                             compression=compression)
 
     def step(self, x, y):
-        began = time.perf_counter()
-        self.opt.zero_grad()
-        loss = self.task.loss(self.model, x, y)
-        loss.backward()
-        computed = time.perf_counter() - began
+        loss, computed = _forward_backward(self.opt, self.task, self.model, x, y)
         waited = time.perf_counter()
         self.opt.synchronize()
         began = time.perf_counter()
@@ -152,11 +157,7 @@ class AveragingTrainer(Trainer):
         self._level_at = averager.level_at
 
     def step(self, x, y):
-        began = time.perf_counter()
-        self.opt.zero_grad()
-        loss = self.task.loss(self.model, x, y)
-        loss.backward()
-        computed = time.perf_counter() - began
+        loss, computed = _forward_backward(self.opt, self.task, self.model, x, y)
         began = time.perf_counter()
         self.opt.step()
         stepped, inner = time.perf_counter() - began, self.inner.take()
