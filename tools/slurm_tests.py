@@ -22,11 +22,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
-
-import torch
 
 from cluster import Cluster, ClusterUnavailable, check_privileges
+from cluster_tests import _caught_by_rank, _checkpoints_load
 from rank_output import test_launch_env
 from slurm_cluster import SlurmCluster, SlurmUnavailable, check_slurm
 from stage_log import StageLog
@@ -181,20 +179,6 @@ def _wait_over(slurm: SlurmCluster, job: int, since: float, limit_s: float) -> t
     return state, time.monotonic() - since
 
 
-def _checkpoints_load(directory: Path) -> tuple[list[int], list[str]]:
-    ranks, problems = [], []
-    for caught in sorted(directory.glob("rank*.caught")):
-        rank = int(caught.stem[4:])
-        ranks.append(rank)
-        try:
-            state = torch.load(directory / f"rank{rank}.pt", weights_only=False)
-            if not isinstance(state["optimizer"]["averager"]["step"], int):
-                problems.append(f"rank{rank}.pt has no averager step")
-        except Exception as error:  # noqa: BLE001 - reported as a failure
-            problems.append(f"rank{rank}.pt: {type(error).__name__}: {error}")
-    return ranks, problems
-
-
 def run_fault(slurm: SlurmCluster, fault: str) -> bool:
     label = {"cut": "SLURM: the link to node 2 cut mid-job",
              "kill": "SLURM: node 2 killed mid-job (slurmd and tasks)"}[fault]
@@ -214,7 +198,8 @@ def run_fault(slurm: SlurmCluster, fault: str) -> bool:
             slurm.cluster.kill_node(2)
         state, over = _wait_over(slurm, job, fault_at, bound + 60)
         output = (out / "job.out").read_text(errors="replace")
-        caught, problems = _checkpoints_load(out)
+        caught = sorted(_caught_by_rank(out))
+        problems = _checkpoints_load(out, caught)
         named = [line.strip() for line in output.splitlines() if "caught" in line][:4]
     # Ranks 0-1 (node 1) survive either fault and their output reaches srun. Node 2's ranks,
     # when its link is cut, run on but their output is behind the cut: they show only through
