@@ -1,5 +1,6 @@
 """Global averaging across emulated nodes, side by side in one run: Horovod's flat allreduce,
-hvd_averaging flat, node-aware, float16 on the wire; and training with averaging overlapped
+hvd_averaging flat, node-aware, float16 and int8 on the wire (with the bytes each one sent on
+the node's link, and int8's time per stage); and training with averaging overlapped
 (``delay``) against training with none. Launched on the emulated cluster by ``bench/run.py``:
 
     python tools/cluster.py --nodes 2 --rate-mbit 200 -- horovodrun --mpi -np 4 -H {hosts:2} \\
@@ -33,7 +34,60 @@ HVA_FLAT = "hva, flat (one allreduce)"
 HVA_NODE_AWARE = "hva, node-aware"
 HVA_NODE_AWARE_FP16 = "hva, node-aware, fp16 wire"
 HVA_FLAT_FP16 = "hva, flat, fp16 wire"
+HVA_NODE_AWARE_INT8 = "hva, node-aware, int8 wire"
 INTRA_NODE = "hva inside one node (reference)"
+
+
+def link_bytes_per_rank(fn, ranks_on_node: int, index: int) -> float:
+    """Bytes one round of ``fn`` sent on this node's link (``eth0``'s transmit counter, shared
+    by the node's ranks), per rank: the largest node's, TCP/IP headers and Horovod's own
+    coordination included."""
+    hvd.barrier()
+    before = eth0_sent_bytes()
+    fn()
+    hvd.barrier()
+    per_rank = (eth0_sent_bytes() - before) / ranks_on_node
+    return slowest_rank(per_rank, f"link.{index}")
+
+
+def eth0_sent_bytes() -> int:
+    for line in Path("/proc/self/net/dev").read_text().splitlines():
+        name, _, counters = line.partition(":")
+        if name.strip() == "eth0":
+            return int(counters.split()[8])
+    return 0
+
+
+def int8_stage_times(params, reps: int) -> dict:
+    """Where an int8 node-aware round's time goes, per stage (slowest rank, min over ``reps``):
+    each stage's host work (quantizing, summing, dequantizing, launching) and its wait for the
+    collectives."""
+    from hvd_averaging.routes import routes
+    from hvd_averaging.wire import Int8
+    buffer = torch.cat([p.detach().reshape(-1) for p in params])
+    transport = routes().transport(hvd.global_process_set, buffer.numel() * 4, Int8())
+    per_stage: dict[str, list] = {}
+    for rep in range(reps + 1):
+        hvd.barrier()
+        stages = transport.stages([buffer.clone()], [f"bench.int8stages.{rep}"])
+        handles, index = next(stages), 0
+        while True:
+            start = time.perf_counter()
+            values = [hvd.synchronize(h) for h in handles]
+            waited = time.perf_counter() - start
+            start = time.perf_counter()
+            try:
+                handles = stages.send(values)
+            except StopIteration:
+                handles = None
+            work = time.perf_counter() - start
+            if rep:  # the first repetition warms up
+                per_stage.setdefault(f"stage {index}: wait", []).append(waited)
+                per_stage.setdefault(f"stage {index}: host work after it", []).append(work)
+            index += 1
+            if handles is None:
+                break
+    return {label: slowest_rank(min(t), f"int8stage.{i}") for i, (label, t) in enumerate(per_stage.items())}
 
 
 def make_params(total_mb: float, tensors: int, seed: int) -> list[torch.nn.Parameter]:
@@ -121,7 +175,8 @@ def main() -> None:
     my_node_set = node_sets[nodes[rank]]
 
     sets_of_params = {label: make_params(args.mb, args.tensors, seed=rank)
-                      for label in (HVA_FLAT, HVA_NODE_AWARE, HVA_NODE_AWARE_FP16, HVA_FLAT_FP16, INTRA_NODE)}
+                      for label in (HVA_FLAT, HVA_NODE_AWARE, HVA_NODE_AWARE_FP16, HVA_FLAT_FP16,
+                                  HVA_NODE_AWARE_INT8, INTRA_NODE)}
     numel = sum(p.numel() for p in sets_of_params[HVA_FLAT])
     flat = torch.randn(numel)
     fp16 = hvd.Compression.fp16
@@ -131,11 +186,15 @@ def main() -> None:
         HVA_NODE_AWARE: lambda: average_tensors(sets_of_params[HVA_NODE_AWARE], name="b.na"),
         HVA_NODE_AWARE_FP16: lambda: average_tensors(sets_of_params[HVA_NODE_AWARE_FP16],
                                                      compression=fp16, name="b.na16"),
+        HVA_NODE_AWARE_INT8: lambda: average_tensors(sets_of_params[HVA_NODE_AWARE_INT8],
+                                                     compression="int8", name="b.na8"),
         HVA_FLAT_FP16: lambda: average_tensors(sets_of_params[HVA_FLAT_FP16], compression=fp16,
                                                node_aware=False, name="b.flat16"),
         INTRA_NODE: lambda: average_tensors(sets_of_params[INTRA_NODE], my_node_set, name="b.node"),
     }
     results = timed_interleaved(methods, args.reps, "cluster")
+    for index, (label, fn) in enumerate(methods.items()):
+        results[label]["link_bytes_per_rank"] = link_bytes_per_rank(fn, len(node_ranks), index)
     nbytes = numel * 4
     # each node must receive 2 (n-1)/n of the buffer (reduce-scatter + allgather between nodes)
     link_limit_s = 2 * (node_count - 1) / node_count * nbytes * 8 / (args.rate_mbit * 1e6)
@@ -143,7 +202,8 @@ def main() -> None:
               "controller": "mpi" if hvd.mpi_enabled() else "gloo", "rate_mbit": args.rate_mbit,
               "bytes": nbytes, "tensors": args.tensors, "link_limit_s": link_limit_s,
               "route": averaging_route(hvd.global_process_set, nbytes // args.tensors),
-              "cpus": os.cpu_count(), "methods": results}
+              "cpus": os.cpu_count(), "methods": results,
+              "int8_stages": int8_stage_times(sets_of_params[HVA_NODE_AWARE_INT8], args.reps)}
 
     if args.overlap:
         compute = Compute(args.step_ms / 1e3)

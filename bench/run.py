@@ -32,9 +32,10 @@ CLUSTER_RATE_MBIT = 200
 # transport reaches on this link when only two processes share the machine's CPUs.
 CLUSTER_RUNS = [("mpi", 2, True), ("mpi", 4, False), ("gloo", 2, False), ("mpi", 1, False),
                 ("gloo", 1, False)]
-C_HOROVOD, C_FLAT, C_NA, C_NA16, C_FLAT16, C_NODE = (
+C_HOROVOD, C_FLAT, C_NA, C_NA16, C_FLAT16, C_NA8, C_NODE = (
     "Horovod allreduce_ of one flat buffer", "hva, flat (one allreduce)", "hva, node-aware",
-    "hva, node-aware, fp16 wire", "hva, flat, fp16 wire", "hva inside one node (reference)")
+    "hva, node-aware, fp16 wire", "hva, flat, fp16 wire", "hva, node-aware, int8 wire",
+    "hva inside one node (reference)")
 HVA = "hva.average_parameters"
 TORCH = "PyTorch utils.average_parameters (Gloo)"
 FLOOR = "floor: one allreduce_ of a flat buffer"
@@ -212,12 +213,25 @@ def cluster_report(runs: dict) -> str:
         lines.append(f"\n### {controller.upper()}, 2 nodes x {per_node} ranks, "
                      f"{rep['bytes'] / 2 ** 20:.0f} MiB float32 in {rep['tensors']} tensors; "
                      f"link limit {limit * 1e3:.0f} ms (float16: {limit * 500:.0f} ms)\n")
-        lines.append("| method | ms | / link limit | / Horovod flat allreduce |")
-        lines.append("|---|---|---|---|")
+        lines.append("| method | ms | / link limit | / Horovod flat allreduce | MB sent on the link per rank (one round) |")
+        lines.append("|---|---|---|---|---|")
         for label, r in methods.items():
+            sent = r.get("link_bytes_per_rank")
             lines.append(f"| {label} | {ms(r['min_s'])} ({ms(r['median_s'])}) | "
-                         f"{r['min_s'] / limit:.2f} | {r['min_s'] / horovod:.2f} |")
+                         f"{r['min_s'] / limit:.2f} | {r['min_s'] / horovod:.2f} | "
+                         f"{'' if sent is None else f'{sent / 1e6:.2f}'} |")
         na, na16 = methods[C_NA]["min_s"], methods[C_NA16]["min_s"]
+        if C_NA8 in methods:
+            na8 = methods[C_NA8]["min_s"]
+            bytes_ratio = methods[C_NA8]["link_bytes_per_rank"] / methods[C_NA]["link_bytes_per_rank"]
+            stages = rep.get("int8_stages", {})
+            if stages:
+                lines.append("\nint8 node-aware, per stage (slowest rank, min over repetitions, ms): " +
+                             "; ".join(f"{k} {v * 1e3:.0f}" for k, v in stages.items()))
+            checks.append(f"- {controller} 2x{per_node}, int8: time / float32 node-aware "
+                          f"{na8 / na:.2f} (target <= 0.40: {'met' if na8 / na <= 0.40 else 'MISSED'}); "
+                          f"bytes sent on the link / float32's {bytes_ratio:.3f} (target <= 0.27: "
+                          f"{'met' if bytes_ratio <= 0.27 else 'MISSED'})")
         if per_node == 1:
             checks.append(f"- {controller} 2x1 (one rank per node: nothing to stage; what the "
                           f"transport reaches with the CPUs to itself): Horovod flat / link limit "
@@ -267,9 +281,10 @@ def cluster_report(runs: dict) -> str:
 
 
 def cluster_chart(runs: dict, path: Path) -> None:
-    methods = [C_HOROVOD, C_FLAT, C_NA, C_FLAT16, C_NA16]
+    methods = [C_HOROVOD, C_FLAT, C_NA, C_FLAT16, C_NA16, C_NA8]
     grouped_bars(path, [f"{c.upper()} 2 nodes x {n}" for c, n in runs],
-                 {m: [r["methods"][m]["min_s"] / r["link_limit_s"] for r in runs.values()]
+                 {m: [r["methods"][m]["min_s"] / r["link_limit_s"] if m in r["methods"] else 0.0
+                      for r in runs.values()]
                   for m in methods},
                  "time / link limit (float32 bytes)",
                  f"Global averaging across 2 emulated nodes, {CLUSTER_RATE_MBIT} Mbit/s",

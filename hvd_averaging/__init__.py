@@ -6,8 +6,9 @@ Layers, each importing only the ones before it (``docs/api.md`` lists what each 
 - runtime: ``watchdog``, ``deadlines`` (timeouts, the watchdog), ``world`` (one Horovod world
   and what belongs to it), ``placement`` (the node of every rank), ``process_sets`` (the
   shared registry), ``agreement`` (cross-rank checks), ``startup`` (``init``);
-- storage and transports: ``flat_storage``, ``params``, ``traffic``, ``compression``,
-  ``transports`` (one module per way), ``routes`` (which way a set takes);
+- storage and transports: ``flat_storage``, ``params``, ``traffic``, ``transports`` (one
+  module per way), ``wire`` (one module per wire format: as is, float16, int8), ``routes``
+  (which way a set takes);
 - rounds: ``rounds`` (one round now), ``delayed`` (rounds left in flight);
 - when: ``schedule`` (pure), ``averagers``, ``hierarchical``;
 - training integration: ``optim`` (post-local SGD), ``outer`` (DiLoCo), ``elastic``;
@@ -23,6 +24,7 @@ from .process_sets import local_process_set, process_set
 from .rounds import NonFiniteError, average_parameters
 from .startup import init
 from .traffic import TrafficCounters, reset_traffic, traffic
+from .wire import Int8
 
 __all__ = [
     "init",
@@ -44,4 +46,5 @@ __all__ = [
     "traffic",
     "reset_traffic",
     "TrafficCounters",
+    "Int8",
 ]

@@ -17,32 +17,17 @@ from typing import Any, Mapping, Optional
 import horovod.torch as hvd
 
 from .agreement import check_same_on_all_ranks
-from .compression import compression_name
-from .delayed import AverageTransform, DelayedRounds, start_delayed_average
+from .delayed import AverageTransform, ConstructionOrder, DelayedRounds, start_delayed_average
 from .params import TensorsLike, collect_parameters, floating_buffers
 from .process_sets import members, process_set as registered_set, registered_process_sets
 from .rounds import average_tensors
 from .routes import prepare_process_set
 from .schedule import check_delay, check_period, check_warmup_steps, periodic_fires
 from .startup import elastic_job
+from .wire import WireCodec, level_codecs
 from .world import WorldFollower, current_world, renew_world
 
 __all__ = ["ModelAverager", "PeriodicModelAverager"]
-
-
-class _ConstructionOrder:
-    """Numbers this process's averagers in the order they are made (the same on every rank:
-    construction is collective, or in elastic jobs runs the same script), so that two averagers'
-    rounds in flight at once get different Horovod names. Kept across elastic resets."""
-
-    survives_reset = True
-
-    def __init__(self) -> None:
-        self.made = 0
-
-    def next(self) -> int:
-        self.made += 1
-        return self.made - 1
 
 
 class ModelAverager(ABC):
@@ -71,10 +56,10 @@ class ModelAverager(ABC):
                 f"process_set {self.process_set} is not registered with Horovod: create it with "
                 "hva.process_set(ranks) or pass it to hvd.init(process_sets=[...])")
         self.step = 0
-        self._number = current_world().component(_ConstructionOrder).next()
+        self._number = current_world().component(ConstructionOrder).next()
         self._world = WorldFollower()
         self._delayed = DelayedRounds({})
-        self._compression: dict[int, str] = {}  # per level: "fp16" or "none"
+        self._codecs: dict[int, WireCodec] = {}  # per level: its wire format and that one's state
 
     # -- the schedule ------------------------------------------------------------------------
 
@@ -136,8 +121,11 @@ class ModelAverager(ABC):
     def _tensors(params: TensorsLike, buffers) -> list:
         return collect_parameters(params) + floating_buffers(buffers)
 
-    def _wire(self, level: int):
-        return hvd.Compression.fp16 if self._compression.get(level) == "fp16" else None
+    def _wire(self, level: int) -> Optional[WireCodec]:
+        return self._codecs.get(level)
+
+    def _wire_specs(self) -> dict[int, Any]:
+        return {level: codec.spec() for level, codec in self._codecs.items()}
 
     def _start_delayed(self, params, buffers, level: int, fired_at: int,
                        saved: Optional[dict]) -> None:
@@ -240,6 +228,10 @@ class ModelAverager(ABC):
         one tensor per dtype). Loading it restarts that round from the same snapshot, so the
         run goes on exactly as if uninterrupted."""
         state: dict[str, Any] = {"step": self.step, "config": self._config()}
+        wire = {level: codec.state_dict() for level, codec in self._codecs.items()
+                if codec.state_dict()}
+        if wire:
+            state["wire"] = wire  # int8's error feedback residuals, per level
         in_flight = self._delayed.state()
         if in_flight:
             state["in_flight"] = in_flight
@@ -267,6 +259,9 @@ class ModelAverager(ABC):
                 f"{self._config()}: the step is restored, the new config is kept",
                 UserWarning, stacklevel=2)
         self._delayed.load(state_dict.get("in_flight") or {}, step)
+        for level, codec_state in (state_dict.get("wire") or {}).items():
+            if level in self._codecs:
+                self._codecs[level].load_state_dict(codec_state)
         self.step = step
 
 
@@ -293,12 +288,18 @@ class PeriodicModelAverager(ModelAverager):
             the local progress since. The steps in between only poll (the averaging moves on
             Horovod's background thread). Extra memory while in flight: the snapshot and the
             buffer the average arrives in.
-        compression: ``hvd.Compression.fp16`` sends float16 on the wire (half the bytes),
-            scaled so that nothing overflows; parameters keep their dtype (error bound in
-            :mod:`hvd_averaging.transports.fp16_wire`). Default: none.
+        compression: ``"fp16"`` (or ``hvd.Compression.fp16``) sends float16 on the wire (half
+            the bytes), scaled so that nothing overflows; ``"int8"`` (or ``hva.Int8(block_size=
+            ...)``) sends int8 with a float32 scale per block across the link (a quarter of the
+            bytes). Parameters keep their dtype; :mod:`hvd_averaging.wire` states the error
+            bounds. Default: none.
+        error_feedback (bool): with int8, each rank adds what quantizing lost in one round to
+            the next round's values (its state is in :meth:`state_dict`; memory: about one
+            float32 copy of what crosses in int8). Default False.
 
     Raises:
-        ValueError: bad ``period``, ``warmup_steps``, ``delay`` or ``compression`` (on every
+        ValueError: bad ``period``, ``warmup_steps``, ``delay``, ``compression`` or
+            ``error_feedback`` (on every
             rank: ranks with good values raise ``RuntimeError`` naming the bad ones).
         RuntimeError: ranks passed different arguments.
 
@@ -317,21 +318,20 @@ class PeriodicModelAverager(ModelAverager):
 
     def __init__(self, period: int, warmup_steps: int = 0,
                  process_set: Optional[hvd.ProcessSet] = None, *, delay: int = 0,
-                 compression=None, check_finite: bool = False):
+                 compression=None, error_feedback: bool = False, check_finite: bool = False):
         super().__init__(process_set, check_finite=check_finite)
         error = None
-        compression_label = repr(compression)  # compared across ranks, even when bad
+        self._compression_arg = (compression, error_feedback)  # compared across ranks if bad
         try:
             check_period(period, stacklevel=3)
             check_warmup_steps(warmup_steps)
             check_delay(delay, period)
-            compression_label = compression_name(compression)
+            codecs = level_codecs({period: compression}, error_feedback, stacklevel=3)
         except ValueError as e:
             error = e
         if error is None:
             self._delayed = DelayedRounds({period: delay})
-            self._compression = {period: compression_label}
-        self._compression_label = compression_label
+            self._codecs = codecs
         self.period = period
         self.warmup_steps = warmup_steps
         self.delay = delay
@@ -347,4 +347,4 @@ class PeriodicModelAverager(ModelAverager):
 
     def _config(self) -> dict[str, Any]:
         return {"period": self.period, "warmup_steps": self.warmup_steps, "delay": self.delay,
-                "compression": self._compression_label, **super()._config()}
+                "compression": self._wire_specs() or repr(self._compression_arg), **super()._config()}

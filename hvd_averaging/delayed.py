@@ -19,10 +19,26 @@ from .agreement import check_same_on_all_ranks
 from .deadlines import bounded_collective, guarded_enqueue
 from .rounds import NonFiniteError, Round, begin_round
 
-__all__ = ["AverageTransform", "DelayedAverage", "start_delayed_average", "DelayedRounds"]
+__all__ = ["AverageTransform", "DelayedAverage", "start_delayed_average", "DelayedRounds",
+           "ConstructionOrder"]
 
 # (tensors of the round, a view of each one's average) -> None; may overwrite the averages.
 AverageTransform = Callable[[list, list], None]
+
+
+class ConstructionOrder:
+    """Numbers this process's averagers in the order they are made (the same on every rank:
+    construction is collective, or in elastic jobs runs the same script), so that two averagers'
+    rounds in flight at once get different Horovod names. Kept across elastic resets."""
+
+    survives_reset = True
+
+    def __init__(self) -> None:
+        self.made = 0
+
+    def next(self) -> int:
+        self.made += 1
+        return self.made - 1
 
 
 def _reused_like(buffers: dict, key: tuple, like: torch.Tensor) -> torch.Tensor:

@@ -7,12 +7,12 @@ from typing import Any, Mapping, Optional
 import horovod.torch as hvd
 
 from .averagers import ModelAverager
-from .compression import compression_name
 from .delayed import DelayedRounds
 from .placement import rank_to_node
 from .process_sets import members, register_groups
 from .schedule import check_warmup_steps, hierarchical_period, level_delays, level_values, normalize_hierarchy
 from .topology import hierarchy_groups
+from .wire import level_codecs
 
 __all__ = ["HierarchicalModelAverager"]
 
@@ -40,8 +40,11 @@ class HierarchicalModelAverager(ModelAverager):
             ``{period: delay}`` delays the levels named, each ``< period``. A delayed level's
             round stays in flight while lower levels average as scheduled; at its apply step it
             adds ``average(snapshot) - snapshot`` to the parameters. Default 0.
-        compression: ``hvd.Compression.fp16`` for every level, or ``{period: compression}`` for
-            the levels named (e.g. only the top level, the one that crosses the link).
+        compression: ``"fp16"``, ``hvd.Compression.fp16`` or ``"int8"`` for every level, or
+            ``{period: compression}`` for the levels named (e.g. ``{32: "int8"}``: only the top
+            level, the one that crosses the link); see :class:`PeriodicModelAverager`.
+        error_feedback (bool): the int8 levels keep their quantization residuals (see
+            :class:`PeriodicModelAverager`).
 
     Attributes:
         period_process_set_dict: ``period -> hvd.ProcessSet`` of this rank's group at that
@@ -62,9 +65,11 @@ class HierarchicalModelAverager(ModelAverager):
 
     def __init__(self, period_group_size_dict: Optional[Mapping[int, int]] = None,
                  warmup_steps: int = 0, process_set: Optional[hvd.ProcessSet] = None, *,
-                 delay=0, compression=None, check_finite: bool = False):
+                 delay=0, compression=None, error_feedback: bool = False,
+                 check_finite: bool = False):
         super().__init__(process_set, check_finite=check_finite)
         error = None
+        self._compression_arg = (compression, error_feedback)  # compared across ranks if bad
         hierarchy: dict[int, int] = {}
         try:
             hierarchy = normalize_hierarchy(period_group_size_dict, len(members(self.process_set)),
@@ -72,8 +77,8 @@ class HierarchicalModelAverager(ModelAverager):
             check_warmup_steps(warmup_steps)
             periods = list(hierarchy)
             self._delayed = DelayedRounds(level_delays(delay, periods))
-            self._compression = {p: compression_name(c) for p, c in
-                                 level_values(compression, periods, "compression", None).items()}
+            self._codecs = level_codecs(level_values(compression, periods, "compression", None),
+                                        error_feedback, stacklevel=3)
         except ValueError as e:
             error = e
         self.warmup_steps = warmup_steps
@@ -129,4 +134,5 @@ class HierarchicalModelAverager(ModelAverager):
     def _config(self) -> dict[str, Any]:
         return {"period_group_size_dict": self.period_group_size_dict,
                 "warmup_steps": self.warmup_steps, "delays": self._delayed.delays,
-                "compression": self._compression, **super()._config()}
+                "compression": self._wire_specs() or repr(self._compression_arg),
+                **super()._config()}

@@ -31,7 +31,6 @@ import horovod.torch as hvd
 import torch
 
 from .agreement import check_same_on_all_ranks, config_digest
-from .compression import wire_is_fp16
 from .deadlines import bounded_collective
 from .flat_storage import Packing, pack
 from .params import TensorsLike, check_local_layout, collect_parameters, first_non_finite
@@ -39,7 +38,7 @@ from .process_sets import members
 from .routes import routes
 from .traffic import count_round
 from .transports import Transport
-from .transports.fp16_wire import NonFiniteOnWire
+from .wire import NonFiniteOnWire, WireCodec, wire_codec
 from .world import current_world
 
 __all__ = ["NonFiniteError", "Round", "begin_round", "average_tensors", "average_parameters"]
@@ -49,7 +48,7 @@ _MAX_PACKINGS = 8
 
 class NonFiniteError(ValueError):
     """A tensor to average holds NaN or Inf (raised with ``check_finite=True``, and always
-    before a float16 round, where it would make the scale meaningless)."""
+    before a float16 or int8 round, where it would make the scales meaningless)."""
 
 
 class RoundBook:
@@ -88,14 +87,13 @@ class Round:
     set_ranks: list[int]
     name: str
     what: str
-    fp16: bool
+    codec: WireCodec
     node_aware: Optional[bool]
     op_tag: str = ""  # tells apart rounds over the same tensors in flight at once
 
     def transport(self) -> Transport:
         nbytes = sum(slab.flat.numel() * slab.flat.element_size() for slab in self.packing.slabs)
-        return routes().transport(self.process_set, nbytes, fp16=self.fp16,
-                                  node_aware=self.node_aware)
+        return routes().transport(self.process_set, nbytes, self.codec, node_aware=self.node_aware)
 
     def op_names(self) -> list[str]:
         """One stable name per dtype buffer (Horovod's response cache hits round after round)."""
@@ -117,7 +115,7 @@ class Round:
         except NonFiniteOnWire as error:
             where = first_non_finite(self.packing) if error.rank == hvd.rank() else None
             raise NonFiniteError(f"{self.what}: " + (
-                f"{where}; a float16 round cannot scale it" if where else
+                f"{where}; a {self.codec.name} round cannot scale it" if where else
                 f"rank {error.rank} holds NaN/Inf (see its error); nothing was averaged")) from None
 
 
@@ -125,8 +123,9 @@ def begin_round(tensors: list[torch.Tensor], process_set: Optional[hvd.ProcessSe
                 bind: bool, check_finite: bool, context: str, compression,
                 node_aware: Optional[bool]) -> Optional[Round]:
     """Pack, check and agree on ``tensors`` (collective over the set); None when there is nothing
-    to move (this rank is outside the set, the set has one rank, or the list is empty)."""
-    fp16 = wire_is_fp16(compression)
+    to move (this rank is outside the set, the set has one rank, or the list is empty).
+    ``compression``: a codec (an averager level's, kept across rounds) or its public spelling."""
+    codec = compression if isinstance(compression, WireCodec) else wire_codec(compression)
     process_set = process_set if process_set is not None else hvd.global_process_set
     if not process_set.included():
         return None
@@ -139,6 +138,7 @@ def begin_round(tensors: list[torch.Tensor], process_set: Optional[hvd.ProcessSe
     new_list = packing is None and bind  # a list seen for the first time (or re-bound) is checked
     if packing is None:
         try:
+            codec.check_tensors(tensors)
             check_local_layout(tensors)
             packing = book.new_packing(tensors, name, bind)
         except (TypeError, ValueError) as error:
@@ -168,7 +168,7 @@ def begin_round(tensors: list[torch.Tensor], process_set: Optional[hvd.ProcessSe
         book.agreed_layouts[agreed_key] = layout_digest
     if not tensors or len(set_ranks) == 1:
         return None
-    return Round(packing, process_set, set_ranks, name, what, fp16, node_aware)
+    return Round(packing, process_set, set_ranks, name, what, codec, node_aware)
 
 
 def average_tensors(
@@ -191,8 +191,9 @@ def average_tensors(
     tensors that are replaced every step (gradients). ``context`` names the round in errors
     (e.g. the averager and step).
 
-    ``compression=hvd.Compression.fp16`` sends float16 on the wire, scaled so that nothing
-    overflows (:mod:`hvd_averaging.transports.fp16_wire` states the error bound).
+    ``compression``: ``"fp16"`` (or ``hvd.Compression.fp16``) sends float16 on the wire, scaled
+    so that nothing overflows; ``"int8"`` (or :class:`~hvd_averaging.wire.Int8`) sends int8
+    with a scale per block across the link; :mod:`hvd_averaging.wire` states the error bounds.
     ``node_aware``: None lets the set's placement choose (node-aware stages across nodes with
     several ranks each, for buffers of at least 1 MiB; see :mod:`hvd_averaging.routes`), False
     forces one flat allreduce, True node-aware stages wherever the set allows them.
@@ -200,11 +201,11 @@ def average_tensors(
     Raises:
         ValueError / TypeError: mixed devices, sparse or integer tensors, on the rank that has
             them; the other members raise ``RuntimeError`` naming that rank (no hang). A bad
-            ``compression`` (on every rank, before any collective).
+            ``compression``, naming it and the choices (on every rank, before any collective).
         RuntimeError: the count, dtypes or shapes differ across the set (raised on every member).
         NonFiniteError: with ``check_finite``, a tensor holds NaN/Inf on this rank (checked
             before any data moves; the other members raise ``RuntimeError`` naming this rank);
-            with float16, a NaN/Inf on any rank (raised on every member).
+            with float16 or int8, a NaN/Inf on any rank (raised on every member).
         AveragingTimeoutError: the round did not finish within ``hva.timeout()`` seconds.
         HorovodInternalError: Horovod failed or was shut down during the round.
     """
@@ -228,8 +229,8 @@ def average_parameters(params: TensorsLike, process_set: Optional[hvd.ProcessSet
 
     The one-shot utility behind the averagers: collective over the members of ``process_set``
     (default: Horovod's global set); other ranks return at once. Across nodes with several
-    ranks each it averages node-aware; ``compression=hvd.Compression.fp16`` halves the bytes
-    on the wire (see :func:`average_tensors`).
+    ranks each it averages node-aware; ``compression="fp16"`` halves the bytes on the wire,
+    ``"int8"`` quarters them across the link (see :func:`average_tensors`).
 
     Example::
 
@@ -237,6 +238,7 @@ def average_parameters(params: TensorsLike, process_set: Optional[hvd.ProcessSet
         >>> hva.init()
         >>> hva.average_parameters(model.parameters())
         >>> hva.average_parameters(model.parameters(), compression=hvd.Compression.fp16)
+        >>> hva.average_parameters(model.parameters(), compression="int8")
     """
     average_tensors(collect_parameters(params), process_set, check_finite=check_finite,
                     compression=compression)

@@ -19,7 +19,8 @@ from .placement import known_rank_to_node, rank_to_node
 from .process_sets import members, register_groups
 from .startup import elastic_job
 from .topology import node_aware_groups
-from .transports import FlatAllreduce, Fp16Wire, NodeAware, Transport
+from .transports import Transport
+from .wire import Route, WireCodec
 from .world import current_world
 
 __all__ = ["NODE_AWARE_MIN_BYTES", "NodeAwareSets", "Routes", "routes", "prepare_process_set",
@@ -39,14 +40,12 @@ class NodeAwareSets(NamedTuple):
 
 
 class Routes:
-    """Per process set: whether it spans nodes and, where it can, its node-aware sets; and the
-    transports built on them (each keeps its own buffers). One per world (set ids are the
-    world's)."""
+    """Per process set: whether it spans nodes and, where it can, its node-aware sets. One per
+    world (set ids are the world's); the transports built on the routes are the codecs'."""
 
     def __init__(self) -> None:
         self._staged: dict[int, Optional[NodeAwareSets]] = {}
         self._crosses: dict[int, bool] = {}
-        self._transports: dict[tuple, Transport] = {}
 
     def _placement(self) -> Optional[list]:
         known = known_rank_to_node()
@@ -106,9 +105,9 @@ class Routes:
             self._crosses[set_id] = len({placement[r] for r in members(process_set)}) > 1
         return self._crosses[set_id]
 
-    def transport(self, process_set: hvd.ProcessSet, nbytes: int, *, fp16: bool,
-                  node_aware: Optional[bool] = None) -> Transport:
-        """The way a round of ``nbytes`` (all its dtype buffers) averages over ``process_set``.
+    def route(self, process_set: hvd.ProcessSet, nbytes: int,
+              node_aware: Optional[bool] = None) -> Route:
+        """The sets a round of ``nbytes`` (all its dtype buffers) crosses over ``process_set``.
 
         The global set is prepared here on first use (every rank is a member, so every rank
         calls this); other sets only by :meth:`prepare` (an averager does it at construction).
@@ -117,21 +116,19 @@ class Routes:
         """
         if process_set.process_set_id == hvd.global_process_set.process_set_id:
             self.prepare(process_set)
+        ranks = len(members(process_set))
+        crosses = self.crosses_nodes(process_set)
+        if not self.takes_node_aware(process_set, nbytes, node_aware):
+            return Route(process_set, ranks, crosses)
         staged = self.node_aware_sets(process_set)
-        use_staged = self.takes_node_aware(process_set, nbytes, node_aware)
-        key = (process_set.process_set_id, fp16, use_staged)
-        found = self._transports.get(key)
-        if found is None:
-            if use_staged:
-                found = NodeAware(staged.node_set, staged.rail_set, staged.ranks_per_node,
-                                  staged.nodes, rail_allreduce=not hvd.mpi_enabled(),
-                                  whole_set=process_set)
-            else:
-                found = FlatAllreduce(process_set, self.crosses_nodes(process_set))
-            if fp16:
-                found = Fp16Wire(found, process_set, len(members(process_set)))
-            self._transports[key] = found
-        return found
+        return Route(process_set, ranks, crosses, node_aware=True, node_set=staged.node_set,
+                     rail_set=staged.rail_set, ranks_per_node=staged.ranks_per_node,
+                     nodes=staged.nodes, rail_allreduce=not hvd.mpi_enabled())
+
+    def transport(self, process_set: hvd.ProcessSet, nbytes: int, codec: WireCodec,
+                  node_aware: Optional[bool] = None) -> Transport:
+        """The way a round of ``nbytes`` averages over ``process_set`` in ``codec``'s format."""
+        return codec.transport(self.route(process_set, nbytes, node_aware))
 
 
 def routes() -> Routes:

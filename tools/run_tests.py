@@ -261,7 +261,7 @@ def main() -> int:
     log = StageLog()
     if args.slurm_only:
         slurm_tests.run_all(BIN, args.timeout, log)
-        print(f"\n{log.table()}\n", flush=True)
+        print(f"\n{log.table()}\n{log.failure_report()}", flush=True)
         return 1 if log.failed() else 0
     if not args.cluster_only:
         for label, launcher_args, env in multiprocess_runs():
@@ -287,6 +287,7 @@ def main() -> int:
         unit_rc = subprocess.run([str(BIN / "python"), "-m", "pytest", "-q", "tests/unit"],
                                  cwd=ROOT).returncode
     if failed:
+        print(log.failure_report(), flush=True)
         print(f"failed multi-process runs: {failed}", flush=True)
     return 1 if failed or unit_rc else 0
 

@@ -1,11 +1,31 @@
-"""The test runner's record of its stages: pass or fail and how long each took."""
+"""The test runner's record of its stages: pass or fail, how long each took, and for a failed
+stage the end of what it printed (repeated after the summary, where a CI log's tail shows it)."""
 
 from __future__ import annotations
 
+import io
+import sys
 import time
 from typing import Callable
 
 __all__ = ["StageLog"]
+
+FAILURE_TAIL_CHARS = 2500
+
+
+class _Tee(io.TextIOBase):
+    """Writes through to the real stream and keeps a copy."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+        self.copy = io.StringIO()
+
+    def write(self, text: str) -> int:
+        self.copy.write(text)
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
 
 
 class StageLog:
@@ -13,15 +33,28 @@ class StageLog:
 
     def __init__(self) -> None:
         self.stages: list[tuple[str, bool, float]] = []
+        self.failure_tails: dict[str, str] = {}
 
     def run(self, label: str, stage: Callable[[], bool]) -> bool:
         start = time.monotonic()
-        ok = bool(stage())
+        tee = _Tee(sys.stdout)
+        sys.stdout = tee
+        try:
+            ok = bool(stage())
+        finally:
+            sys.stdout = tee.stream
         self.stages.append((label, ok, time.monotonic() - start))
+        if not ok:
+            self.failure_tails[label] = tee.copy.getvalue()[-FAILURE_TAIL_CHARS:]
         return ok
 
     def failed(self) -> list[str]:
         return [label for label, ok, _ in self.stages if not ok]
+
+    def failure_report(self) -> str:
+        """The end of each failed stage's output, labelled (empty when all passed)."""
+        return "\n".join(f"--- the end of what the failed stage {label!r} printed:\n{tail}"
+                         for label, tail in self.failure_tails.items())
 
     def table(self) -> str:
         """A Markdown table of every stage, then the total."""

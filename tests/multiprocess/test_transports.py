@@ -14,7 +14,8 @@ import hvd_averaging as hva
 from helpers import expect_error_on_every_rank, param
 from hvd_averaging.rounds import average_tensors
 from hvd_averaging.routes import averaging_route
-from hvd_averaging.transports import Fp16Wire, NodeAware, fp16_error_bound, fp16_scale
+from hvd_averaging.transports import FlatAllreduce, NodeAware, ReduceScatterAllgather
+from hvd_averaging.wire import COMPRESSION_CHOICES, Fp16Wire, fp16_error_bound, fp16_scale
 
 U32 = 2.0 ** -24  # float32 unit roundoff
 NUMEL = 300_007  # above the node-aware threshold (1 MiB in float32), not divisible by 2, 3 or 4
@@ -46,7 +47,10 @@ def pseudo_nodes(world, rail_allreduce=False):
     rail_sets = [hva.process_set(r) for r in rails]
     rank = hvd.rank()
     mine = lambda sets, groups: next(s for s, g in zip(sets, groups) if rank in g)  # noqa: E731
-    return NodeAware(mine(node_sets, pairs), mine(rail_sets, rails), 2, world // 2, rail_allreduce)
+    rail_set = mine(rail_sets, rails)
+    rail = (FlatAllreduce(rail_set, True) if rail_allreduce
+            else ReduceScatterAllgather(rail_set, world // 2, True))
+    return NodeAware(mine(node_sets, pairs), rail, 2)
 
 
 def drive(transport, buffer, name):
@@ -211,12 +215,13 @@ def test_fp16_non_finite_raises_on_every_rank_naming_the_tensor(world, rank):
     assert hvd.allgather_object(float(params[1][1, 0].detach())) == [sum(range(world)) / world + 2.0] * world
 
 
-@pytest.mark.parametrize("kwargs", [{"compression": "fp16"}, {"compression": hvd.Compression.fp16()}])
+@pytest.mark.parametrize("kwargs", [{"compression": "int4"}, {"compression": "FP16"},
+                                    {"compression": hvd.Compression.fp16()}])
 def test_bad_compression_raises_on_every_rank(kwargs):
     # every rank passes the same bad value, so every rank raises the ValueError itself
     error = expect_error_on_every_rank(lambda: hva.PeriodicModelAverager(period=2, **kwargs),
                                        ValueError)
-    assert "compression must be hvd.Compression.none or hvd.Compression.fp16" in str(error)
+    assert f"compression must be one of {', '.join(COMPRESSION_CHOICES)}" in str(error)
     assert repr(kwargs["compression"]) in str(error)
 
 

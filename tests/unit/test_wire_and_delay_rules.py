@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from hvd_averaging.schedule import check_delay, level_delays, level_values
-from hvd_averaging.transports import FP16_MAX, fp16_error_bound, fp16_scale
-from hvd_averaging.transports.fp16_wire import FP16_SUM_LIMIT
+from hvd_averaging.wire import FP16_MAX, fp16_error_bound, fp16_scale
+from hvd_averaging.wire.fp16 import FP16_SUM_LIMIT
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4, 8, 64, 1024])

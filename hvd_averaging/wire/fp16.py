@@ -1,4 +1,4 @@
-"""Any way of averaging, with the buffer in float16 on the wire: half the bytes on the link.
+"""float16 on the wire: half the bytes on the link, on any route (inside nodes too).
 
 Horovod's ``Compression.fp16`` casts as it is: a parameter above 65504, or a sum of ranks'
 values above it, becomes inf in every model, silently. Here the ranks first agree on the largest
@@ -6,7 +6,7 @@ magnitude in the buffer (one small Max-allreduce), then every value is multiplie
 power of two, chosen so that the sum of all ranks' values stays far from overflow and small
 values keep as many bits as float16 allows; the average is divided by it again (exact: a power of two).
 Parameters keep their own dtype; only the wire is float16. A NaN or Inf on any rank stops the
-round on every rank before data moves (:class:`NonFiniteOnWire`).
+round on every rank before data moves (:class:`~.base.NonFiniteOnWire`).
 
 Error against averaging exactly: float16 keeps 11 significant bits (unit roundoff ``u = 2**-11``).
 Casting, the additions of a reduction over ``R`` ranks (in whatever order and stages the inner
@@ -22,9 +22,10 @@ import math
 import horovod.torch as hvd
 import torch
 
-from .base import Stages, Transport
+from ..transports.base import Stages, Transport
+from .base import NonFiniteOnWire, Route, WireCodec
 
-__all__ = ["FP16_MAX", "FP16_SUM_LIMIT", "NonFiniteOnWire", "fp16_scale", "fp16_error_bound", "Fp16Wire"]
+__all__ = ["FP16_MAX", "FP16_SUM_LIMIT", "fp16_scale", "fp16_error_bound", "Fp16Wire", "Fp16"]
 
 FP16_MAX = 65504.0
 # The scaled sum of all ranks' values stays below this. Not FP16_MAX: Horovod 0.28.1's float16
@@ -33,14 +34,6 @@ FP16_MAX = 65504.0
 # cost no precision (float16 keeps 11 significant bits at any magnitude).
 FP16_SUM_LIMIT = 2.0 ** 14
 _SMALLEST_EXPONENT, _LARGEST_EXPONENT = -126, 100  # scale and 1/scale stay normal float32 numbers
-
-
-class NonFiniteOnWire(ValueError):
-    """A rank's buffer holds NaN or Inf; raised on every member (``rank``: the highest such rank)."""
-
-    def __init__(self, rank: int):
-        super().__init__(f"rank {rank} holds NaN/Inf in a buffer to average over float16")
-        self.rank = rank
 
 
 def fp16_scale(absmax: float, ranks: int) -> float:
@@ -112,7 +105,7 @@ class Fp16Wire(Transport):
                                                op=hvd.Max, process_set=self.process_set,
                                                name=f"{names[0]}.fp16_absmax")]
         if agreed[-1] >= 0:
-            raise NonFiniteOnWire(int(agreed[-1]))
+            raise NonFiniteOnWire(int(agreed[-1]), "float16")
         scales = [fp16_scale(float(a), self.ranks) for a in agreed[:-1]]
         self.last_scales = scales
         wires = []
@@ -132,3 +125,13 @@ class Fp16Wire(Transport):
     def cross_node_bytes(self, buffers: list[torch.Tensor]) -> int:
         return self.inner.cross_node_bytes(
             [torch.empty(b.numel(), dtype=torch.float16, device="meta") for b in buffers])
+
+
+class Fp16(WireCodec):
+    """float16 on the wire (``compression="fp16"`` or ``hvd.Compression.fp16``): the whole
+    route, inside nodes too, carries the scaled float16 copy."""
+
+    name = "fp16"
+
+    def build(self, route: Route) -> Transport:
+        return Fp16Wire(route.float_transport(), route.process_set, route.members)

@@ -1,0 +1,291 @@
+"""int8 on the wire: about a quarter of float32's bytes across the link.
+
+Horovod cannot sum int8, so an int8 round is a reduce-scatter and an allgather made of an
+alltoall and an allgather of bytes (as INTELLECT-1 does over Gloo, arXiv:2412.01152):
+
+1. each rank splits its buffer into one chunk per member, cuts each chunk into blocks of
+   ``block_size`` values and sends every block as int8 with a float32 scale (its largest
+   magnitude / 127), all in one ``hvd.alltoall`` of bytes: member ``j`` receives chunk ``j``
+   from everyone;
+2. the owner of a chunk dequantizes what it received, sums in float32 (in member order),
+   divides by the number of members, and requantizes its chunk;
+3. one ``hvd.allgather`` of the requantized chunks; every member dequantizes the same bytes,
+   so every rank ends with bit-identical values.
+
+On a node-aware route only the rail (the stage that crosses the link) travels in int8; the
+stages inside a node stay in the buffer's dtype. A NaN/Inf on any rank stops the round on every
+rank before data moves (:class:`~.base.AgreeFinite`).
+
+Bytes: per ``block_size`` values, ``block_size`` bytes and one 4-byte scale: with 1024,
+0.2510x float32's bytes (plus at most ``members - 1`` values of padding per buffer).
+
+Error against averaging exactly, elementwise, without error feedback: rounding to the nearest
+step costs at most half a step (``A / 254``) when a rank quantizes, at most that again when the
+owner requantizes the average, and float32 adds its rounding, so
+``|int8 average - exact average| <= A * (2/254 + 1/254**2 + (R + 8) * 2**-24)``, where ``A`` is
+the largest magnitude any rank sends in the element's block (at most the largest ``|x|`` within
+``block_size - 1`` positions of the element on any rank) and ``R`` the number of ranks
+(:func:`int8_error_bound`).
+
+Error feedback (``error_feedback=True``, MuLoCo / SparseLoCo): each rank keeps what quantizing
+lost (its whole buffer's residual, and its owned chunk's) and adds it to the next round's values
+before quantizing, so the errors of successive rounds cancel instead of adding up. Memory: one
+float32 copy of the buffers that travel in int8 (on a node-aware route, the rail's share:
+``1/ranks_per_node`` of the model) plus ``1/members`` of it, per averager level.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import horovod.torch as hvd
+import torch
+import torch.nn.functional as F
+
+from ..transports.base import Stages, Transport
+from .base import AgreeFinite, Route, WireCodec
+
+__all__ = ["DEFAULT_BLOCK_SIZE", "check_block_size", "quantize_blocks", "dequantize_blocks",
+           "int8_error_bound", "window_absmax", "Residuals", "Int8Exchange", "Int8"]
+
+DEFAULT_BLOCK_SIZE = 1024
+_LEVELS = 127  # symmetric: -127..127, so that -x quantizes to -q
+
+
+def check_block_size(block_size: Any) -> int:
+    """``block_size`` if it is a positive int.
+
+    Raises:
+        ValueError: anything else (named).
+    """
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int (values per int8 scale), got "
+                         f"{block_size!r}")
+    return block_size
+
+
+def quantize_blocks(values: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of float32 ``values`` ``[rows, length]`` -> int8 ``[rows, length]`` and one float32
+    scale per block of ``block_size`` values ``[rows, ceil(length / block_size)]``; a value is
+    ``q * scale`` up to half a step.
+
+    Example::
+
+        >>> q, s = quantize_blocks(torch.tensor([[0.5, -1.0, 0.25]]), 2)
+        >>> q.tolist(), s.mul(127).tolist()
+        ([[64, -127, 127]], [[1.0, 0.25]])
+    """
+    rows, length = values.shape
+    blocks = -(-length // block_size)
+    padded = F.pad(values, (0, blocks * block_size - length)).view(rows, blocks, block_size)
+    scales = padded.abs().amax(dim=2).div_(_LEVELS)
+    divisors = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(2)
+    quantized = padded.div(divisors).round_().clamp_(-_LEVELS, _LEVELS).to(torch.int8)
+    return quantized.view(rows, blocks * block_size)[:, :length], scales
+
+
+def dequantize_blocks(quantized: torch.Tensor, scales: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Inverse of :func:`quantize_blocks`: float32 ``[rows, length]``."""
+    rows, length = quantized.shape
+    blocks = scales.shape[1]
+    values = torch.zeros(rows, blocks * block_size, dtype=torch.float32, device=quantized.device)
+    values[:, :length] = quantized
+    values.view(rows, blocks, block_size).mul_(scales.unsqueeze(2))
+    return values[:, :length]
+
+
+def _pack(quantized: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """One row of bytes per chunk: its int8 values, then its float32 scales."""
+    return torch.cat([quantized.view(torch.uint8), scales.contiguous().view(torch.uint8)], dim=1)
+
+
+def _unpack(packet: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return packet[:, :length].view(torch.int8), packet[:, length:].contiguous().view(torch.float32)
+
+
+def int8_error_bound(block_absmax: torch.Tensor, ranks: int) -> torch.Tensor:
+    """Elementwise bound on ``|int8 average - exact average|`` without error feedback, given the
+    largest magnitude any rank sends in each element's block (see the module docstring)."""
+    return block_absmax * (2 / 254 + 1 / 254 ** 2 + (ranks + 8) * 2.0 ** -24)
+
+
+def window_absmax(values: torch.Tensor, block_size: int) -> torch.Tensor:
+    """For rows of values ``[ranks, n]``: per element, the largest ``|x|`` on any rank within
+    ``block_size - 1`` positions (an upper bound of its block's ``A``, whatever the route)."""
+    peaks = values.abs().amax(dim=0).view(1, 1, -1).float()
+    return F.max_pool1d(peaks, 2 * block_size - 1, stride=1, padding=block_size - 1).view(-1)
+
+
+class Residuals:
+    """Error feedback's memory: what quantizing lost, per buffer, kept by one codec.
+
+    A round computes its new residuals aside and they replace the old ones only when the round
+    completes, so a round restarted from a checkpoint (a delayed round's snapshot) sees the same
+    residuals as the interrupted one.
+    """
+
+    def __init__(self) -> None:
+        self.kept: dict[str, torch.Tensor] = {}
+
+    def get(self, key: str, like: torch.Tensor) -> Optional[torch.Tensor]:
+        found = self.kept.get(key)
+        return found if found is not None and found.shape == like.shape else None
+
+    def commit(self, pending: dict[str, torch.Tensor]) -> None:
+        self.kept.update(pending)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {key: value.clone() for key, value in self.kept.items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.kept = {key: torch.as_tensor(value, dtype=torch.float32).clone()
+                     for key, value in state.items()}
+
+
+class Int8Exchange(Transport):
+    """Average float buffers over ``process_set`` with int8 on the wire (alltoall, owner's
+    float32 sum and requantization, allgather; see the module docstring).
+
+    Args:
+        process_set: the set that averages.
+        members: its number of members.
+        crosses_nodes: whether its members sit on more than one node (for traffic counters).
+        block_size: values per scale.
+        residuals: error feedback's memory, or None for none.
+    """
+
+    def __init__(self, process_set: hvd.ProcessSet, members: int, crosses_nodes: bool,
+                 block_size: int = DEFAULT_BLOCK_SIZE, residuals: Optional[Residuals] = None):
+        self.process_set = process_set
+        self.members = members
+        self.crosses_nodes = crosses_nodes
+        self.block_size = block_size
+        self.residuals = residuals
+        self._splits = torch.ones(members, dtype=torch.int32)  # one row of bytes per member
+
+    def _chunk(self, numel: int) -> int:
+        return -(-numel // self.members)
+
+    def stages(self, buffers: list[torch.Tensor], names: list[str]) -> Stages:
+        members, block = self.members, self.block_size
+        pending: dict[str, torch.Tensor] = {}
+        packets = []
+        # residuals are kept by buffer position (a codec serves one averager level, whose rounds
+        # always carry the same buffers), so they load into a resumed run whatever its names
+        for index, buffer in enumerate(buffers):
+            chunk = self._chunk(buffer.numel())
+            values = torch.zeros(members * chunk, dtype=torch.float32, device=buffer.device)
+            values[:buffer.numel()] = buffer.reshape(-1)
+            values = values.view(members, chunk)
+            self._feed_back(values, f"{index}.sent", pending)
+            quantized, scales = quantize_blocks(values, block)
+            self._keep_loss(values, quantized, scales, f"{index}.sent", pending)
+            packets.append(_pack(quantized, scales))
+        received = yield [hvd.alltoall_async(p, splits=self._splits, process_set=self.process_set,
+                                             name=f"{n}.int8_alltoall")
+                          for p, n in zip(packets, names)]
+        owned = []
+        for index, (buffer, answer) in enumerate(zip(buffers, received)):
+            packet = answer[0] if isinstance(answer, (tuple, list)) else answer
+            chunk = self._chunk(buffer.numel())
+            quantized, scales = _unpack(packet, chunk)
+            average = dequantize_blocks(quantized, scales, block).sum(dim=0, keepdim=True)
+            average.div_(members)
+            self._feed_back(average, f"{index}.owned", pending)
+            quantized, scales = quantize_blocks(average, block)
+            self._keep_loss(average, quantized, scales, f"{index}.owned", pending)
+            owned.append(_pack(quantized, scales))
+        gathered = yield [hvd.allgather_async(p, process_set=self.process_set,
+                                              name=f"{n}.int8_allgather")
+                          for p, n in zip(owned, names)]
+        for buffer, packet in zip(buffers, gathered):
+            chunk = self._chunk(buffer.numel())
+            quantized, scales = _unpack(packet, chunk)
+            whole = dequantize_blocks(quantized, scales, block).reshape(-1)[:buffer.numel()]
+            buffer.copy_(whole.view_as(buffer))
+        if self.residuals is not None:
+            self.residuals.commit(pending)
+        return buffers
+
+    def _feed_back(self, values: torch.Tensor, key: str, pending: dict) -> None:
+        if self.residuals is not None:
+            residual = self.residuals.get(key, values)
+            if residual is not None:
+                values.add_(residual)
+
+    def _keep_loss(self, values, quantized, scales, key: str, pending: dict) -> None:
+        if self.residuals is not None:
+            pending[key] = values - dequantize_blocks(quantized, scales, self.block_size)
+
+    def _packet_bytes(self, numel: int) -> int:
+        chunk = self._chunk(numel)
+        return chunk + 4 * -(-chunk // self.block_size)
+
+    def wire_bytes(self, buffers: list[torch.Tensor]) -> int:
+        return sum(self.members * self._packet_bytes(b.numel()) for b in buffers)
+
+    def cross_node_bytes(self, buffers: list[torch.Tensor]) -> int:
+        # payload handed to the collectives: every chunk to the alltoall, the owned one to the
+        # allgather
+        if not self.crosses_nodes:
+            return 0
+        return sum((self.members + 1) * self._packet_bytes(b.numel()) for b in buffers)
+
+
+class Int8(WireCodec):
+    """int8 on the wire (``compression="int8"``, or this object for other settings).
+
+    Args:
+        block_size: values per float32 scale (default 1024: 0.251x float32's bytes).
+        error_feedback: keep each rank's quantization residual and add it before the next
+            round (off by default); set by the averagers' ``error_feedback=True``.
+
+    Raises:
+        ValueError: ``block_size`` is not a positive int.
+
+    Example::
+
+        >>> hva.average_parameters(model.parameters(), compression="int8")
+        >>> hva.PeriodicModelAverager(16, compression=hva.Int8(block_size=256))
+    """
+
+    name = "int8"
+
+    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, error_feedback: bool = False):
+        super().__init__()
+        self.block_size = check_block_size(block_size)
+        self.error_feedback = bool(error_feedback)
+        self.residuals = Residuals() if self.error_feedback else None
+
+    def with_error_feedback(self) -> "Int8":
+        """A codec of the same settings with error feedback (and memory of its own)."""
+        return Int8(self.block_size, error_feedback=True)
+
+    def check_tensors(self, tensors: list[torch.Tensor]) -> None:
+        for index, tensor in enumerate(tensors):
+            if not tensor.is_floating_point():
+                raise ValueError(
+                    f"compression='int8' quantizes floating-point values; tensor #{index} has "
+                    f"dtype {tensor.dtype} (int8 carries float16, bfloat16, float32 and float64)")
+
+    def build(self, route: Route) -> Transport:
+        if route.node_aware:
+            rail = Int8Exchange(route.rail_set, route.nodes, True, self.block_size, self.residuals)
+            inner = route.node_aware_with(rail)
+        else:
+            inner = Int8Exchange(route.process_set, route.members, route.crosses_nodes,
+                                 self.block_size, self.residuals)
+        return AgreeFinite(inner, route.process_set, "int8")
+
+    def spec(self) -> Any:
+        return ["int8", self.block_size, self.error_feedback]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"residuals": self.residuals.state_dict()} if self.residuals is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.residuals is not None:
+            self.residuals.load_state_dict(state.get("residuals", {}))
+
+    def __repr__(self) -> str:
+        return f"Int8(block_size={self.block_size}, error_feedback={self.error_feedback})"

@@ -1,0 +1,74 @@
+"""int8's pure parts: block quantization, its bound, the compression spelling, block size checks."""
+import warnings
+
+import horovod.torch as hvd
+import pytest
+import torch
+
+import hvd_averaging as hva
+from hvd_averaging.wire import (COMPRESSION_CHOICES, AsIs, Fp16, Int8, dequantize_blocks,
+                                level_codecs, quantize_blocks, wire_codec, window_absmax)
+
+
+@pytest.mark.parametrize("length,block", [(1, 1), (5, 2), (1024, 1024), (3000, 1024), (7, 64)])
+def test_quantize_round_trip_within_half_a_step(length, block):
+    values = torch.randn(3, length, generator=torch.Generator().manual_seed(length)) * 10 ** torch.linspace(-3, 6, length)
+    q, scales = quantize_blocks(values, block)
+    assert q.dtype == torch.int8 and q.shape == (3, length)
+    assert scales.shape == (3, -(-length // block))
+    back = dequantize_blocks(q, scales, block)
+    step = scales.repeat_interleave(block, dim=1)[:, :length]
+    assert bool(((back - values).abs() <= step / 2 * (1 + 1e-6) + 1e-30).all())
+    assert int(q.abs().max()) == 127  # each block's largest value takes the last level
+
+
+def test_zero_block_has_zero_scale_and_comes_back_zero():
+    values = torch.zeros(2, 10)
+    values[1, 5:] = torch.tensor([1.0, -2.0, 3.0, 0.5, -0.25])
+    q, scales = quantize_blocks(values, 5)
+    assert scales[0].tolist() == [0.0, 0.0] and scales[1, 0] == 0.0
+    back = dequantize_blocks(q, scales, 5)
+    assert torch.equal(back[0], torch.zeros(10)) and torch.equal(back[1, :5], torch.zeros(5))
+    assert back[1, 7] == 3.0  # the block's peak is exact
+
+
+def test_window_absmax_covers_every_block_holding_the_element():
+    values = torch.zeros(2, 20)
+    values[1, 10] = -7.0
+    peaks = window_absmax(values, 4)
+    assert peaks[7:14].tolist() == [7.0] * 7 and peaks[6] == 0.0 and peaks[14] == 0.0
+
+
+@pytest.mark.parametrize("spelling,kind", [(None, AsIs), ("none", AsIs), (hvd.Compression.none, AsIs),
+                                           ("fp16", Fp16), (hvd.Compression.fp16, Fp16),
+                                           ("int8", Int8), (Int8(block_size=64), Int8)])
+def test_compression_spellings(spelling, kind):
+    assert type(wire_codec(spelling)) is kind
+
+
+@pytest.mark.parametrize("bad", ["int4", "Int8", "float16", 8, hvd.Compression.fp16(), object()])
+def test_bad_compression_names_the_value_and_the_choices(bad):
+    with pytest.raises(ValueError) as caught:
+        wire_codec(bad)
+    assert repr(bad) in str(caught.value) and ", ".join(COMPRESSION_CHOICES) in str(caught.value)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True, None, "64"])
+def test_block_size_must_be_a_positive_int(bad):
+    with pytest.raises(ValueError, match=f"block_size must be a positive int .*got {bad!r}"):
+        hva.Int8(block_size=bad)
+
+
+def test_each_level_gets_its_own_codec_and_feedback_only_on_int8():
+    shared = Int8(block_size=256)
+    codecs = level_codecs({2: "fp16", 8: shared, 32: shared}, True)
+    assert type(codecs[2]) is Fp16 and codecs[8] is not codecs[32] and codecs[8] is not shared
+    assert codecs[8].error_feedback and codecs[8].block_size == 256
+    assert codecs[8].residuals is not codecs[32].residuals
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        level_codecs({8: "int8"}, False)
+    with pytest.warns(UserWarning, match="error_feedback=True does nothing without an int8 level"):
+        level_codecs({8: "fp16"}, True)
+    with pytest.raises(ValueError, match="error_feedback must be True or False, got 1"):
+        level_codecs({8: "int8"}, 1)
