@@ -228,8 +228,8 @@ class ModelAverager(ABC):
         one tensor per dtype). Loading it restarts that round from the same snapshot, so the
         run goes on exactly as if uninterrupted."""
         state: dict[str, Any] = {"step": self.step, "config": self._config()}
-        wire = {level: codec.state_dict() for level, codec in self._codecs.items()
-                if codec.state_dict()}
+        wire = {level: kept for level, kept in
+                ((level, codec.state_dict()) for level, codec in self._codecs.items()) if kept}
         if wire:
             state["wire"] = wire  # int8's error feedback residuals, per level
         in_flight = self._delayed.state()

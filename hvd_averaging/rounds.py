@@ -58,6 +58,20 @@ class RoundBook:
         self.packings: dict[tuple, Packing] = {}  # by (name, tensor identities), at most a few
         self.reused: dict[str, dict] = {}  # per name, for tensors copied through (gradients)
         self.agreed_layouts: dict[tuple, int] = {}  # (set id, name) -> layout digest agreed on
+        self.codecs: dict[str, WireCodec] = {}  # per public spelling: stateless, shared
+
+    def codec(self, compression) -> WireCodec:
+        """The codec of a public ``compression=`` spelling, made once per world, so that the
+        transports it builds (and their wire buffers) serve every call that spells it alike.
+        (Codecs with state, error feedback's, are an averager level's own and never shared.)
+
+        Raises:
+            ValueError: a bad spelling (named, with the choices).
+        """
+        codec = wire_codec(compression)
+        if codec.keeps_state:
+            return codec
+        return self.codecs.setdefault(str(codec.spec()), codec)
 
     def cached_packing(self, tensors: list[torch.Tensor], name: str, bind: bool) -> Optional[Packing]:
         """The packing made for exactly these tensors, if they still live in it."""
@@ -115,7 +129,7 @@ class Round:
         except NonFiniteOnWire as error:
             where = first_non_finite(self.packing) if error.rank == hvd.rank() else None
             raise NonFiniteError(f"{self.what}: " + (
-                f"{where}; a {self.codec.name} round cannot scale it" if where else
+                f"{where}; {self.codec.round_name} cannot scale it" if where else
                 f"rank {error.rank} holds NaN/Inf (see its error); nothing was averaged")) from None
 
 
@@ -125,11 +139,11 @@ def begin_round(tensors: list[torch.Tensor], process_set: Optional[hvd.ProcessSe
     """Pack, check and agree on ``tensors`` (collective over the set); None when there is nothing
     to move (this rank is outside the set, the set has one rank, or the list is empty).
     ``compression``: a codec (an averager level's, kept across rounds) or its public spelling."""
-    codec = compression if isinstance(compression, WireCodec) else wire_codec(compression)
+    book = current_world().component(RoundBook)
+    codec = compression if isinstance(compression, WireCodec) else book.codec(compression)
     process_set = process_set if process_set is not None else hvd.global_process_set
     if not process_set.included():
         return None
-    book = current_world().component(RoundBook)
     set_id = process_set.process_set_id
     set_ranks = members(process_set)
     what = f"{context} over process set {set_ranks} ({name!r}, {len(tensors)} tensors)"

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-__all__ = ["Cluster", "ClusterUnavailable", "RunResult", "check_privileges", "clean_stale",
+__all__ = ["Cluster", "StartedOrClosed", "ClusterUnavailable", "RunResult", "check_privileges", "clean_stale",
            "STATE_ROOT"]
 
 STATE_ROOT = Path("/run/hvd_averaging-cluster")
@@ -171,7 +171,35 @@ def clean_stale() -> list[str]:
     return cleaned
 
 
-class Cluster:
+class StartedOrClosed:
+    """A context manager for something started in parts (namespaces, daemons): ``__enter__``
+    runs :meth:`_prepare` (checks, before anything exists), then :meth:`_start`; if starting
+    fails half-way, :meth:`close` removes what was made before the error goes on. ``__exit__``
+    closes."""
+
+    def _prepare(self) -> None:
+        """Checks made before anything is started (raise to refuse)."""
+
+    def _start(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        self._prepare()
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Cluster(StartedOrClosed):
     """``nodes`` emulated nodes on one bridge; ``rate_mbit`` limits what each node receives
     (None: no limit). Use as a context manager; see the module docstring."""
 
@@ -203,19 +231,10 @@ class Cluster:
 
     # -- life cycle ------------------------------------------------------------------------
 
-    def __enter__(self) -> "Cluster":
+    def _prepare(self) -> None:
         check_privileges()
         clean_stale()
         self._install_signal_handlers()
-        try:
-            self._create()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def _install_signal_handlers(self) -> None:
         def stop(signum, _frame):
@@ -227,7 +246,7 @@ class Cluster:
             except ValueError:  # not the main thread: the caller's handlers stay
                 pass
 
-    def _create(self) -> None:
+    def _start(self) -> None:
         self._state.mkdir(parents=True, exist_ok=True)
         (self._state / "owner").write_text(str(os.getpid()))
         (self._state / "nodes").write_text(" ".join(self.nodes))

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from cluster import Cluster, ClusterUnavailable, RunResult
+from cluster import Cluster, ClusterUnavailable, RunResult, StartedOrClosed
 
 __all__ = ["SlurmCluster", "SlurmUnavailable", "check_slurm", "FINAL_STATES"]
 
@@ -99,7 +99,7 @@ def slurm_conf(cluster: Cluster, folder: Path, cpus: int, slurmd_timeout_s: int)
     return "\n".join(lines) + "\n"
 
 
-class SlurmCluster:
+class SlurmCluster(StartedOrClosed):
     """SLURM's daemons on an emulated :class:`~cluster.Cluster` of 2 or more nodes (node 0:
     controller and login node; nodes 1..: compute). Context manager."""
 
@@ -123,17 +123,8 @@ class SlurmCluster:
         env["SLURM_CONF"] = str(self.conf)
         return env
 
-    def __enter__(self) -> "SlurmCluster":
+    def _prepare(self) -> None:
         check_slurm()
-        try:
-            self._start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def _daemon(self, node: int, argv: Sequence[str], log: str) -> None:
         out = open(self.folder / log, "ab")

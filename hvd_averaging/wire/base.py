@@ -69,6 +69,8 @@ class WireCodec(ABC):
     """A wire format: builds the transport a route takes in it; may keep state across rounds."""
 
     name: str = ""
+    round_name: str = "a round"  # in messages: "a float16 round cannot scale it"
+    keeps_state: bool = False  # state carried from round to round (int8's error feedback)
 
     def __init__(self) -> None:
         self._transports: dict[tuple, Transport] = {}

@@ -132,6 +132,7 @@ class Fp16(WireCodec):
     route, inside nodes too, carries the scaled float16 copy."""
 
     name = "fp16"
+    round_name = "a float16 round"
 
     def build(self, route: Route) -> Transport:
         return Fp16Wire(route.float_transport(), route.process_set, route.members)

@@ -250,6 +250,7 @@ class Int8(WireCodec):
     """
 
     name = "int8"
+    round_name = "an int8 round"
 
     def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, error_feedback: bool = False):
         super().__init__()
@@ -257,9 +258,9 @@ class Int8(WireCodec):
         self.error_feedback = bool(error_feedback)
         self.residuals = Residuals() if self.error_feedback else None
 
-    def with_error_feedback(self) -> "Int8":
-        """A codec of the same settings with error feedback (and memory of its own)."""
-        return Int8(self.block_size, error_feedback=True)
+    @property
+    def keeps_state(self) -> bool:
+        return self.error_feedback
 
     def check_tensors(self, tensors: list[torch.Tensor]) -> None:
         for index, tensor in enumerate(tensors):

@@ -62,5 +62,5 @@ def level_codecs(compression_per_level: dict[int, Any], error_feedback: bool, *,
                           f"(compression per level: { {l: c.name for l, c in codecs.items()} })",
                           UserWarning, stacklevel=stacklevel + 1)
         for level in int8_levels:
-            codecs[level] = codecs[level].with_error_feedback()
+            codecs[level] = Int8(codecs[level].block_size, error_feedback=True)
     return codecs

@@ -1,7 +1,8 @@
 """int8 on the wire: within its stated bound of the exact average of every rank's values over
 magnitudes 1e-3..1e6 (flat and node-aware), bit-identical on every rank, a quarter of the bytes
-counted (and, on the emulated cluster, sent on the link), NaN stopped on every rank, error
-feedback that cancels errors over rounds and resumes bit-identically."""
+counted (and, on the emulated cluster, sent on the link), error
+feedback that cancels errors over rounds and resumes bit-identically. (NaN on the wire, for
+float16 and int8 alike: test_transports.py.)"""
 import os
 import time
 
@@ -91,28 +92,6 @@ def test_int8_bytes_counted_and_sent(world, rank):
         # the node's link carried about a quarter of what float32 needs (one model per node)
         assert sent <= 0.27 * float32_bytes, (sent, float32_bytes)
         assert counters.cross_node_bytes * per_node >= 0.9 * sent
-
-
-def test_int8_non_finite_raises_on_every_rank_naming_the_tensor(world, rank):
-    bad = world - 1
-    params = [param(rank + 1.0), param(rank + 2.0, shape=(2, 2))]
-    if rank == bad:
-        with torch.no_grad():
-            params[1][0, 1] = float("nan")
-    before = [p.detach().clone() for p in params]
-    error = expect_error_on_every_rank(
-        lambda: hva.average_parameters(params, compression="int8"), hva.NonFiniteError)
-    if rank == bad:
-        assert f"has 1 NaN/Inf value(s) on rank {bad}" in str(error) and "int8" in str(error)
-    else:
-        assert f"rank {bad} holds NaN/Inf" in str(error)
-    for p, b in zip(params, before):  # nothing moved
-        assert torch.allclose(p.detach(), b, rtol=0, atol=0, equal_nan=True)
-    with torch.no_grad():
-        params[1].fill_(rank + 2.0)
-    hva.average_parameters(params, compression="int8")
-    expected = sum(range(world)) / world + 2.0
-    assert max(abs(v - expected) for v in hvd.allgather_object(float(params[1][0, 1]))) <= expected / 127
 
 
 @pytest.mark.parametrize("kwargs", [{"compression": "int4"}, {"compression": "INT8"},
