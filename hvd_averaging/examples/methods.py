@@ -76,6 +76,10 @@ def label(method: str, args: argparse.Namespace) -> str:
     levels = lambda h: ",".join(f"{p}:{s}" for p, s in h.items())  # noqa: E731
     overlap = f", overlap {args.outer_delay}" if args.outer_delay else ""
     outer = f"outer lr {args.outer_lr:g}, momentum {args.outer_momentum:g}{overlap}"
+    wire = ""
+    if method != "baseline" and args.cross_node_compression != "none":
+        feedback = " with error feedback" if args.error_feedback else ""
+        wire = f", {args.cross_node_compression}{feedback} across nodes"
     return {
         "baseline": f"hvd.DistributedOptimizer{' fp16' if args.baseline_fp16 else ''}",
         "local": f"local SGD (period {args.period})",
@@ -83,7 +87,7 @@ def label(method: str, args: argparse.Namespace) -> str:
         "hierarchical": f"hierarchical SGD {levels(args.hierarchy)}",
         "diloco": f"DiLoCo (H {args.outer_period}, {outer})",
         "hierdiloco": f"hierarchical DiLoCo {levels(args.outer_hierarchy)} ({outer})",
-    }[method]
+    }[method] + wire
 
 
 class _Timed:
@@ -188,20 +192,27 @@ def build_trainer(method: str, model: torch.nn.Module, task, args, *,
     if method == "baseline":
         return BaselineTrainer(model, task, args)
     inner = task.inner_optimizer(model.parameters(), args.lr)
+    # what crosses the link (the top level) travels in --cross-node-compression
+    wire = {"compression": args.cross_node_compression, "error_feedback": args.error_feedback}
     if method == "local":
-        opt = hva.PostLocalSGDOptimizer(inner, hva.PeriodicModelAverager(args.period))
+        opt = hva.PostLocalSGDOptimizer(inner, hva.PeriodicModelAverager(args.period, **wire))
     elif method == "postlocal":
         opt = hva.PostLocalSGD(
             inner, model.named_parameters(), start_localSGD_iter=warmup_steps,
-            averager=hva.PeriodicModelAverager(args.period, warmup_steps=warmup_steps),
+            averager=hva.PeriodicModelAverager(args.period, warmup_steps=warmup_steps, **wire),
             local_group_size=args.local_group_size)
     elif method == "hierarchical":
-        opt = hva.PostLocalSGDOptimizer(inner, hva.HierarchicalModelAverager(args.hierarchy))
+        top = max(args.hierarchy)
+        opt = hva.PostLocalSGDOptimizer(inner, hva.HierarchicalModelAverager(
+            args.hierarchy, compression={top: wire["compression"]},
+            error_feedback=wire["error_feedback"]))
     elif method in ("diloco", "hierdiloco"):
         top = args.outer_period if method == "diloco" else max(args.outer_hierarchy)
-        averager = (hva.PeriodicModelAverager(args.outer_period, delay=args.outer_delay)
+        averager = (hva.PeriodicModelAverager(args.outer_period, delay=args.outer_delay, **wire)
                     if method == "diloco" else
-                    hva.HierarchicalModelAverager(args.outer_hierarchy, delay={top: args.outer_delay}))
+                    hva.HierarchicalModelAverager(args.outer_hierarchy, delay={top: args.outer_delay},
+                                                  compression={top: wire["compression"]},
+                                                  error_feedback=wire["error_feedback"]))
         opt = hva.DiLoCo(inner, averager, outer_optimizer=_outer(args))
         return AveragingTrainer(model, task, opt, inner, handed=opt.global_parameters)
     else:

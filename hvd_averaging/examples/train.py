@@ -192,6 +192,11 @@ def parse_args(argv=None):
     parser.add_argument("--lr", type=float, default=None, help="inner learning rate, every method")
     parser.add_argument("--baseline-fp16", action="store_true",
                         help="the baseline sends float16 gradients (hvd.Compression.fp16)")
+    parser.add_argument("--cross-node-compression", choices=("none", "fp16", "int8"),
+                        default="none", help="what the averaging methods' top level (the one "
+                        "that crosses the link) sends: compression= of the library")
+    parser.add_argument("--error-feedback", action="store_true",
+                        help="int8's error feedback on that level")
     parser.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1")
     parser.add_argument("--full", action="store_true", help="3 seeds")
     parser.add_argument("--grid-points", type=int, default=40, help="evaluations per method")

@@ -83,6 +83,20 @@ def test_race_arguments_defaults_are_accepted():
     assert _args("--full").seeds == 3
 
 
+def test_cross_node_compression_is_named_in_every_averaging_label():
+    from hvd_averaging.examples.methods import label
+    args = _args("--cross-node-compression", "int8", "--error-feedback")
+    args.hierarchy = args.outer_hierarchy = {2: 2, 16: 4}
+    assert label("baseline", args) == "hvd.DistributedOptimizer"
+    for method in ("local", "hierarchical", "diloco", "hierdiloco"):
+        assert label(method, args).endswith(", int8 with error feedback across nodes")
+    plain = _args()
+    plain.hierarchy = plain.outer_hierarchy = {2: 2, 16: 4}
+    assert "across nodes" not in label("local", plain)
+    with pytest.raises(SystemExit):  # argparse names the choices
+        _args("--cross-node-compression", "int4")
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--budget-s", "0"], ["--budget-s 0.0", "positive"]),
     (["--budget-s", "-3"], ["--budget-s -3.0", "positive"]),
