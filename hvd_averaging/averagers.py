@@ -77,18 +77,17 @@ class ModelAverager(ABC):
         """``{period: delay}`` of every level (0: averaged at its firing step)."""
         return dict(self._delayed.delays)
 
-    def transform_delayed_average(self, level: int, transform: AverageTransform) -> None:
-        """Let ``transform(tensors, averages)`` replace, in place, the average a delayed round
-        of ``level`` brings before it is applied (``tensor = average + (tensor - snapshot)``).
-        :class:`~hvd_averaging.DiLoCo` puts its outer step there (Streaming DiLoCo).
+    def transform_delayed_average(self, level: int, transform: AverageTransform, *,
+                                  before_send: Optional[AverageTransform] = None) -> None:
+        """``transform(tensors, averages)`` may replace in place the average a delayed round of
+        ``level`` brings before it is applied (``tensor = average + (tensor - snapshot)``), and
+        ``before_send(tensors, wire_views)`` what it sends (a copy of the snapshot): DiLoCo
+        sends progress since its global copy and puts its outer step on the average.
 
         Raises:
             ValueError: ``level`` is not a delayed level of this averager.
         """
-        if not self._delayed.delayed(level):
-            raise ValueError(f"level {level!r} is not delayed (delays per level "
-                             f"{self._delayed.delays}): its average is applied at its firing step")
-        self._delayed.transforms[level] = transform
+        self._delayed.set_transforms(level, transform, before_send)
 
     # -- one call per training step ----------------------------------------------------------
 
@@ -138,7 +137,8 @@ class ModelAverager(ABC):
             context=f"{type(self).__name__} step {fired_at} (delay {self._delayed.delays[level]})",
             compression=self._wire(level),
             snapshots=None if saved is None else saved["snapshots"],
-            snapshot_layout=None if saved is None else saved["layout"])
+            snapshot_layout=None if saved is None else saved["layout"],
+            before_send=self._delayed.before_send.get(level))
         self._delayed.launched(level, fired_at, round_)
 
     def _level_set(self, level: int) -> Optional[hvd.ProcessSet]:
@@ -288,19 +288,18 @@ class PeriodicModelAverager(ModelAverager):
             the local progress since. The steps in between only poll (the averaging moves on
             Horovod's background thread). Extra memory while in flight: the snapshot and the
             buffer the average arrives in.
-        compression: ``"fp16"`` (or ``hvd.Compression.fp16``) sends float16 on the wire (half
-            the bytes), scaled so that nothing overflows; ``"int8"`` (or ``hva.Int8(block_size=
-            ...)``) sends int8 with a float32 scale per block across the link (a quarter of the
-            bytes). Parameters keep their dtype; :mod:`hvd_averaging.wire` states the error
-            bounds. Default: none.
+        compression: ``"fp16"`` (or ``hvd.Compression.fp16``): float16 on the wire, scaled so
+            that nothing overflows; ``"int8"`` (or ``hva.Int8(block_size=...)``): int8 with a
+            float32 scale per block across the link. Parameters keep their dtype;
+            :mod:`hvd_averaging.wire` states the error bounds. Default: none.
         error_feedback (bool): with int8, each rank adds what quantizing lost in one round to
             the next round's values (its state is in :meth:`state_dict`; memory: about one
             float32 copy of what crosses in int8). Default False.
 
     Raises:
         ValueError: bad ``period``, ``warmup_steps``, ``delay``, ``compression`` or
-            ``error_feedback`` (on every
-            rank: ranks with good values raise ``RuntimeError`` naming the bad ones).
+            ``error_feedback`` (on every rank: ranks with good values raise ``RuntimeError``
+            naming the bad ones).
         RuntimeError: ranks passed different arguments.
 
     Example::

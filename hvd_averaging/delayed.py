@@ -61,7 +61,8 @@ class DelayedAverage:
     the average arrives in (another copy, or half of one in float16), held only while in flight.
     """
 
-    def __init__(self, round_: Round, buffers: dict, snapshots: Optional[list[torch.Tensor]]):
+    def __init__(self, round_: Round, buffers: dict, snapshots: Optional[list[torch.Tensor]],
+                 before_send: Optional[AverageTransform] = None):
         self._round = round_
         self.what = round_.what
         self._snapshots = []
@@ -73,6 +74,9 @@ class DelayedAverage:
             wire = _reused_like(buffers, ("wire", index), slab.flat)
             wire.copy_(snapshot)
             wires.append(wire)
+        if before_send is not None:
+            with torch.no_grad():
+                before_send(round_.packing.tensors, round_.packing.views_into(wires))
         transport = round_.transport()
         self.nbytes = round_.count(transport, wires)
         self.started_at = time.monotonic()
@@ -154,6 +158,7 @@ def start_delayed_average(
     node_aware: Optional[bool] = None,
     snapshots: Optional[list[torch.Tensor]] = None,
     snapshot_layout: Optional[int] = None,
+    before_send: Optional[AverageTransform] = None,
 ) -> Optional[DelayedAverage]:
     """Start averaging ``tensors`` over ``process_set`` and return without waiting (collective).
 
@@ -162,7 +167,9 @@ def start_delayed_average(
     other rounds over the same tensors. ``snapshots`` and ``snapshot_layout`` (from
     :meth:`DelayedAverage.snapshots` and ``layout_digest``) restart a round from a checkpoint:
     the same snapshot is averaged again, so the result is the one the interrupted round would
-    have given. Returns None where :func:`~hvd_averaging.rounds.average_tensors` would move
+    have given. ``before_send(tensors, wire_views)`` may change, in place, what travels (a copy
+    of the snapshot; the snapshot itself is kept): DiLoCo subtracts its global copy, so that the
+    progress since it is averaged. Returns None where :func:`~hvd_averaging.rounds.average_tensors` would move
     nothing. Raises what it raises before data moves, and ``ValueError`` (on every member) when
     ``snapshots`` do not fit the tensors.
     """
@@ -182,7 +189,7 @@ def start_delayed_average(
         check_same_on_all_ranks(f"{round_.what} snapshot from the checkpoint", True,
                                 local_error=error, process_set=round_.process_set,
                                 name=f"hva.snapshot.{round_.process_set.process_set_id}.{name}")
-    return DelayedAverage(round_, buffers, snapshots)
+    return DelayedAverage(round_, buffers, snapshots, before_send)
 
 
 class DelayedRounds:
@@ -196,12 +203,26 @@ class DelayedRounds:
     def __init__(self, delays: Mapping[int, int]) -> None:
         self.delays = dict(delays)
         self.transforms: dict[int, AverageTransform] = {}  # per level, applied before the average
+        self.before_send: dict[int, Optional[AverageTransform]] = {}  # per level, on what travels
         self.buffers: dict[int, dict] = {}
         self._in_flight: dict[int, tuple[int, DelayedAverage]] = {}
         self._to_restart: dict[int, dict] = {}
 
     def delayed(self, level: int) -> bool:
         return bool(self.delays.get(level))
+
+    def set_transforms(self, level: int, transform: AverageTransform,
+                       before_send: Optional[AverageTransform]) -> None:
+        """What ``level``'s rounds apply to their average, and to what they send (None: as is).
+
+        Raises:
+            ValueError: ``level`` is not delayed.
+        """
+        if not self.delayed(level):
+            raise ValueError(f"level {level!r} is not delayed (delays per level "
+                             f"{self.delays}): its average is applied at its firing step")
+        self.transforms[level] = transform
+        self.before_send[level] = before_send
 
     @property
     def active(self) -> bool:

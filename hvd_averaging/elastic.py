@@ -7,6 +7,14 @@ again, which drops every process set (horovod#4021): the handler starts a new
 :class:`~hvd_averaging.world.World`, and the averager's sets are re-created for it at the
 averager's next firing step (or a ``ValueError`` says why the hierarchy no longer fits), also
 when a replaced worker left the size unchanged.
+
+A :class:`~hvd_averaging.DiLoCo` passed to ``TorchState`` is held whole: its inner optimizer's
+state (as Horovod holds an optimizer's), its averager's step, its global copy and its outer
+optimizer's state are saved at ``commit()``, restored locally after a failure, and broadcast from
+rank 0 when workers join, so every rank, a new worker included, holds the same global copy (DiLoCo
+averages the progress since it, which is only right if the copy is the same everywhere). Pass the
+DiLoCo alone (``TorchState(model, diloco=opt)``), not its averager again.
+
 Horovod over MPI cannot initialize again after a shutdown, so elastic runs use Gloo
 (``horovodrun --gloo`` with ``--host-discovery-script``; see ``docs/launch.md``).
 
@@ -27,13 +35,17 @@ Example::
 
 from __future__ import annotations
 
+import copy
+
 from horovod.torch.elastic.state import StateHandler, get_handler_registry, set_handler_registry
 import horovod.torch as hvd
+import torch
 
 from .averagers import ModelAverager
+from .outer import DiLoCo
 from .world import renew_world
 
-__all__ = ["AveragerStateHandler"]
+__all__ = ["AveragerStateHandler", "DiLoCoStateHandler"]
 
 
 class AveragerStateHandler(StateHandler):
@@ -59,5 +71,61 @@ class AveragerStateHandler(StateHandler):
         self._saved_step = self.value.step
 
 
-if not any(handler is AveragerStateHandler for _, handler in get_handler_registry()):
-    set_handler_registry(list(get_handler_registry()) + [(ModelAverager, AveragerStateHandler)])
+class DiLoCoStateHandler(StateHandler):
+    """Saves, restores and synchronizes a :class:`~hvd_averaging.DiLoCo` inside ``TorchState``:
+    inner optimizer, averager step, global copy and outer optimizer."""
+
+    def __init__(self, diloco: DiLoCo):
+        super().__init__(diloco)
+        self._averager = AveragerStateHandler(diloco.averager)
+        self._saved: dict = {}
+        self.save()
+
+    def set_value(self, value: DiLoCo) -> None:
+        self._averager = AveragerStateHandler(value.averager)
+        super().set_value(value)
+
+    def save(self) -> None:
+        self._averager.save()
+        self._saved = {
+            "inner": copy.deepcopy(self.value.optim.state_dict()),
+            "outer": copy.deepcopy(self.value.outer_optimizer.state_dict()),
+            "global": [g.detach().clone() for g in self.value.global_parameters]}
+
+    def restore(self) -> None:
+        # Local only, as for the averager: collectives fail right after a HorovodInternalError.
+        self._averager.restore()
+        self.value.optim.load_state_dict(self._saved["inner"])
+        self.value.outer_optimizer.load_state_dict(self._saved["outer"])
+        with torch.no_grad():
+            for global_, saved in zip(self.value.global_parameters, self._saved["global"]):
+                global_.copy_(saved)
+
+    def sync(self) -> None:
+        """Collective: the averager's world and step, then rank 0's optimizer states and global
+        copy. The states travel whole (``broadcast_object``): Horovod's
+        ``broadcast_optimizer_state`` would first make a missing state by a step with zero
+        gradients, which moves parameters under weight decay."""
+        self._averager.sync()
+        for index, optimizer in enumerate((self.value.optim, self.value.outer_optimizer)):
+            state = hvd.broadcast_object(optimizer.state_dict() if hvd.rank() == 0 else None,
+                                         root_rank=0, name=f"hva.elastic.diloco.optimizer{index}")
+            if hvd.rank() != 0:
+                optimizer.load_state_dict(state)
+        hvd.broadcast_parameters([(f"hva.elastic.diloco.global.{index}", global_) for index, global_
+                                  in enumerate(self.value.global_parameters)], root_rank=0)
+        self.save()
+
+
+def _register_handlers() -> None:
+    """Put the handlers in Horovod's registry once: DiLoCo's first (Horovod takes the first
+    handler whose type matches, and a DiLoCo is an Optimizer), the averagers' last."""
+    registry = list(get_handler_registry())
+    if not any(handler is DiLoCoStateHandler for _, handler in registry):
+        registry.insert(0, (DiLoCo, DiLoCoStateHandler))
+    if not any(handler is AveragerStateHandler for _, handler in registry):
+        registry.append((ModelAverager, AveragerStateHandler))
+    set_handler_registry(registry)
+
+
+_register_handlers()

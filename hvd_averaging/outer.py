@@ -4,11 +4,19 @@
 inner optimizer steps alone; at the averager's top-level firing steps the *pseudo-gradient*
 ``global_copy - average(local parameters)`` is handed to an outer optimizer as the gradient of the
 global copy, the outer optimizer steps, and every rank's parameters become the new global copy.
+
+What the top level averages is each rank's progress, ``local parameters - global_copy``, not the
+parameters: the global copy is bit-identical on every rank (every rank computes it from the same
+averaged bytes, and checkpoints and elastic restarts carry it), so ``average(local - global)`` is
+the pseudo-gradient's negative exactly. On a lossy wire (int8) the rounding is then a fraction of
+the progress made in one round rather than of the parameters' far larger values, as INTELLECT-1
+quantizes pseudo-gradients (arXiv:2412.01152).
+
 With Nesterov momentum (``SGD(lr=0.7, momentum=0.9, nesterov=True)``, the paper's and torchft's
 setting) this trains far better per round than plain averaging. `SlowMo
 <https://arxiv.org/abs/1910.00643>`_ is the same mechanism with ``SGD(lr=1.0, momentum=0.5)``.
-With ``SGD(lr=1.0)`` and no momentum the outer step is plain averaging (``global - (global -
-average)``, up to the rounding of that subtraction).
+With ``SGD(lr=1.0)`` and no momentum the outer step is plain averaging (``global + average(local -
+global)``, up to float32 rounding).
 
 On a :class:`~hvd_averaging.HierarchicalModelAverager` the lower levels average plainly at their
 own periods (cheap, inside a node) and only the top level, across nodes, gets the outer step:
@@ -60,7 +68,7 @@ class DiLoCo(PostLocalSGDOptimizer):
     Overlapped (`Streaming DiLoCo <https://arxiv.org/abs/2501.18512>`_, torchft's
     ``fragment_sync_delay``): when the averager's top level has ``delay=d``, a top-level firing
     step ``s`` snapshots the parameters ``S`` and starts averaging them without waiting; at
-    ``s + d`` the pseudo-gradient ``global - average(S)`` goes to the outer optimizer, and every
+    ``s + d`` the pseudo-gradient ``-average(S - global)`` goes to the outer optimizer, and every
     rank's parameters become ``new global + (parameters - S)``: the local progress made since
     ``s`` is kept. With ``SGD(lr=1.0)`` and no momentum this is
     ``PeriodicModelAverager(period, delay=d)``.
@@ -104,13 +112,15 @@ class DiLoCo(PostLocalSGDOptimizer):
             self.global_parameters = [
                 torch.nn.Parameter(p.detach().to("cpu" if global_on_cpu else p.device, copy=True))
                 for p in self._params]
+        self._global_by_id = {id(p): g for p, g in zip(self._params, self.global_parameters)}
         self.outer_optimizer = make_outer(self.global_parameters)
         if not isinstance(self.outer_optimizer, torch.optim.Optimizer):
             raise TypeError("outer_optimizer(params) must return a torch.optim.Optimizer, got "
                             f"{type(self.outer_optimizer).__name__}")
         self.overlapped = bool(averager.level_delays.get(averager.top_level, 0))
         if self.overlapped:
-            averager.transform_delayed_average(averager.top_level, self._outer_step_on_average)
+            averager.transform_delayed_average(averager.top_level, self._outer_step_on_average,
+                                               before_send=self._progress_to_send)
 
     def step(self, closure=None):
         """Inner step; then the averager's round, and at its top level the outer step."""
@@ -118,41 +128,64 @@ class DiLoCo(PostLocalSGDOptimizer):
         # overlapped, the outer step runs inside the averager, when the delayed round is applied
         outer = not self.overlapped and \
             self.averager.level_at(self.averager.step) == self.averager.top_level
-        # the averager averages these in place: afterwards each holds its own average
-        averaged = {id(p): p for p in collect_parameters(self.param_groups)} if outer else {}
-        self.averager.average_parameters(self.param_groups, buffers=self.buffers)
-        if outer:
-            with torch.no_grad():
-                for key, global_ in self._outer_step(averaged).items():
-                    averaged[key].copy_(global_)
+        if not outer:
+            self.averager.average_parameters(self.param_groups, buffers=self.buffers)
+            return loss
+        # the parameters the round takes; it averages their progress since the global copy
+        taken = {id(p): p for p in collect_parameters(self.param_groups)}
+        params = list(taken.values())
+        with torch.no_grad():
+            self._relative_to_global(params, params, -1)
+        try:
+            self.averager.average_parameters(self.param_groups, buffers=self.buffers)
+        except BaseException:
+            with torch.no_grad():  # leave each rank's parameters as the round left them
+                self._relative_to_global(params, params, 1)
+            raise
+        with torch.no_grad():
+            for key, global_ in self._outer_step(taken).items():
+                taken[key].copy_(global_)
         return loss
 
     @torch.no_grad()
-    def _outer_step(self, averages: dict) -> dict:
-        """Pseudo-gradient ``global - average`` into the outer optimizer (``averages``: by
-        parameter id, the average of each parameter the round took); returns the new global
-        copy by parameter id, for the caller to put in place. Parameters the round skipped (no
-        gradient) get a zero pseudo-gradient and are reset to the global copy here."""
+    def _outer_step(self, progress: dict) -> dict:
+        """Pseudo-gradient ``-average(local - global)`` into the outer optimizer (``progress``:
+        by parameter id, the averaged progress of each parameter the round took); returns the
+        new global copy by parameter id, for the caller to put in place. Parameters the round
+        skipped (no gradient) get a zero pseudo-gradient and are reset to the global copy here."""
         for local, global_ in zip(self._params, self.global_parameters):
-            average = averages.get(id(local))
-            global_.grad = global_.detach() - average.detach().to(global_.device) \
+            average = progress.get(id(local))
+            global_.grad = torch.neg(average.detach().to(global_.device, dtype=global_.dtype)) \
                 if average is not None else torch.zeros_like(global_)
         self.outer_optimizer.step()
         new_globals = {}
         for local, global_ in zip(self._params, self.global_parameters):
             global_.grad = None
-            if id(local) in averages:
+            if id(local) in progress:
                 new_globals[id(local)] = global_
             else:
                 local.copy_(global_)
         return new_globals
 
+    def _relative_to_global(self, tensors: list, targets: list, sign: int) -> None:
+        """``target += sign * global copy`` for each of ``tensors`` that is a parameter
+        (``targets``: the tensors themselves, or the places they travel from)."""
+        for tensor, target in zip(tensors, targets):
+            global_ = self._global_by_id.get(id(tensor))
+            if global_ is not None:
+                target.add_(global_.to(target.device, non_blocking=True), alpha=sign)
+
+    def _progress_to_send(self, tensors: list, wire_views: list) -> None:
+        """Overlapped: the delayed round sends ``snapshot - global`` (the snapshot itself stays
+        as it is, for the local progress made since)."""
+        self._relative_to_global(tensors, wire_views, -1)
+
     def _outer_step_on_average(self, tensors: list, averages: list) -> None:
-        """The overlapped outer step, given the top level's average of the snapshot: it becomes
-        the new global copy, which the averager then applies as ``global + (p - snapshot)``."""
+        """The overlapped outer step, given the top level's averaged progress of the snapshot:
+        the new global copy replaces it, and the averager applies ``global + (p - snapshot)``."""
         by_id = {id(t): a for t, a in zip(tensors, averages)}
-        averaged = {id(p): by_id[id(p)] for p in self._params if id(p) in by_id}
-        for key, global_ in self._outer_step(averaged).items():
+        progress = {id(p): by_id[id(p)] for p in self._params if id(p) in by_id}
+        for key, global_ in self._outer_step(progress).items():
             by_id[key].copy_(global_)
 
     def state_dict(self) -> dict:

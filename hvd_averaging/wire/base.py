@@ -27,7 +27,9 @@ class Route(NamedTuple):
 
     ``node_set``/``rail_set`` are set for node-aware rounds (``node_set`` None with one rank per
     node, the rail then being the set itself); ``rail_allreduce`` says whether a float rail
-    crosses with one allreduce (Gloo) or reduce-scatter plus allgather (Open MPI).
+    crosses with one allreduce (Gloo) or reduce-scatter plus allgather (Open MPI), and
+    ``scatter_by_alltoall`` whether the node's reduce-scatter is an alltoall and a local sum
+    (Gloo) or Horovod's reduce-scatter (Open MPI).
     """
 
     process_set: hvd.ProcessSet
@@ -39,6 +41,7 @@ class Route(NamedTuple):
     ranks_per_node: int = 1
     nodes: int = 1
     rail_allreduce: bool = False
+    scatter_by_alltoall: bool = False
 
     @property
     def key(self) -> tuple:
@@ -62,7 +65,8 @@ class Route(NamedTuple):
 
     def node_aware_with(self, rail: Transport) -> NodeAware:
         """Node-aware stages with ``rail`` crossing the link."""
-        return NodeAware(self.node_set, rail, self.ranks_per_node, whole_set=self.process_set)
+        return NodeAware(self.node_set, rail, self.ranks_per_node, whole_set=self.process_set,
+                         scatter_by_alltoall=self.scatter_by_alltoall)
 
 
 class WireCodec(ABC):

@@ -12,6 +12,11 @@ alltoall and an allgather of bytes (as INTELLECT-1 does over Gloo, arXiv:2412.01
 3. one ``hvd.allgather`` of the requantized chunks; every member dequantizes the same bytes,
    so every rank ends with bit-identical values.
 
+Pipelined: each chunk travels in up to :data:`DEFAULT_PIECES` pieces cut on block boundaries;
+a piece's alltoall leaves as soon as it is quantized and its allgather as soon as it is summed,
+so the host work of one piece overlaps the transfer of the others (the blocks, scales and
+results are those of a single piece).
+
 On a node-aware route only the rail (the stage that crosses the link) travels in int8; the
 stages inside a node stay in the buffer's dtype. A NaN/Inf on any rank stops the round on every
 rank before data moves (:class:`~.base.AgreeFinite`).
@@ -45,10 +50,12 @@ import torch.nn.functional as F
 from ..transports.base import Stages, Transport
 from .base import AgreeFinite, Route, WireCodec
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "check_block_size", "quantize_blocks", "dequantize_blocks",
-           "int8_error_bound", "window_absmax", "Residuals", "Int8Exchange", "Int8"]
+__all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_PIECES", "check_block_size", "piece_bounds",
+           "quantize_blocks", "dequantize_blocks", "int8_error_bound", "window_absmax", "Residuals",
+           "Int8Exchange", "Int8"]
 
 DEFAULT_BLOCK_SIZE = 1024
+DEFAULT_PIECES = 4  # pieces per chunk in flight at once (pipelining; see Int8Exchange)
 _LEVELS = 127  # symmetric: -127..127, so that -x quantizes to -q
 
 
@@ -77,7 +84,7 @@ def quantize_blocks(values: torch.Tensor, block_size: int) -> tuple[torch.Tensor
     """
     rows, length = values.shape
     blocks = -(-length // block_size)
-    padded = F.pad(values, (0, blocks * block_size - length)).view(rows, blocks, block_size)
+    padded = F.pad(values, (0, blocks * block_size - length)).reshape(rows, blocks, block_size)
     scales = padded.abs().amax(dim=2).div_(_LEVELS)
     divisors = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(2)
     quantized = padded.div(divisors).round_().clamp_(-_LEVELS, _LEVELS).to(torch.int8)
@@ -142,9 +149,32 @@ class Residuals:
                      for key, value in state.items()}
 
 
+def piece_bounds(chunk: int, block_size: int, pieces: int,
+                 min_blocks: int = 64) -> list[tuple[int, int]]:
+    """Split a chunk of ``chunk`` values into at most ``pieces`` runs that start on block
+    boundaries (so every block, and its scale, is the one the whole chunk would have), each of
+    at least ``min_blocks`` blocks where the chunk allows.
+
+    Example::
+
+        >>> piece_bounds(10, 2, 3, min_blocks=1)
+        [(0, 4), (4, 8), (8, 10)]
+    """
+    blocks = -(-chunk // block_size)
+    count = max(1, min(pieces, blocks // max(1, min_blocks)))
+    per_piece = -(-blocks // count) * block_size
+    return [(start, min(start + per_piece, chunk)) for start in range(0, chunk, per_piece)] \
+        or [(0, chunk)]
+
+
 class Int8Exchange(Transport):
     """Average float buffers over ``process_set`` with int8 on the wire (alltoall, owner's
     float32 sum and requantization, allgather; see the module docstring).
+
+    Pipelined: each member's chunk travels in up to ``pieces`` pieces cut on block boundaries.
+    Every piece's alltoall is launched as soon as it is quantized, and each piece is reduced and
+    its allgather launched as soon as it arrives, so quantizing and summing overlap the
+    transfers of the other pieces. The blocks, and so the results, are those of one piece.
 
     Args:
         process_set: the set that averages.
@@ -152,15 +182,18 @@ class Int8Exchange(Transport):
         crosses_nodes: whether its members sit on more than one node (for traffic counters).
         block_size: values per scale.
         residuals: error feedback's memory, or None for none.
+        pieces: most pieces per chunk (each at least 64 blocks).
     """
 
     def __init__(self, process_set: hvd.ProcessSet, members: int, crosses_nodes: bool,
-                 block_size: int = DEFAULT_BLOCK_SIZE, residuals: Optional[Residuals] = None):
+                 block_size: int = DEFAULT_BLOCK_SIZE, residuals: Optional[Residuals] = None,
+                 pieces: int = DEFAULT_PIECES):
         self.process_set = process_set
         self.members = members
         self.crosses_nodes = crosses_nodes
         self.block_size = block_size
         self.residuals = residuals
+        self.pieces = pieces
         self._splits = torch.ones(members, dtype=torch.int32)  # one row of bytes per member
 
     def _chunk(self, numel: int) -> int:
@@ -168,54 +201,64 @@ class Int8Exchange(Transport):
 
     def stages(self, buffers: list[torch.Tensor], names: list[str]) -> Stages:
         members, block = self.members, self.block_size
-        pending: dict[str, torch.Tensor] = {}
-        packets = []
+        feedback = self.residuals is not None
+        rows, sent = [], []  # per buffer: its values by member [members, chunk]; per piece
+        sent_lost, owned_lost = [], []  # per buffer, with error feedback: what quantizing lost
         # residuals are kept by buffer position (a codec serves one averager level, whose rounds
         # always carry the same buffers), so they load into a resumed run whatever its names
-        for index, buffer in enumerate(buffers):
+        for index, (buffer, name) in enumerate(zip(buffers, names)):
             chunk = self._chunk(buffer.numel())
             values = torch.zeros(members * chunk, dtype=torch.float32, device=buffer.device)
             values[:buffer.numel()] = buffer.reshape(-1)
             values = values.view(members, chunk)
-            self._feed_back(values, f"{index}.sent", pending)
-            quantized, scales = quantize_blocks(values, block)
-            self._keep_loss(values, quantized, scales, f"{index}.sent", pending)
-            packets.append(_pack(quantized, scales))
-        received = yield [hvd.alltoall_async(p, splits=self._splits, process_set=self.process_set,
-                                             name=f"{n}.int8_alltoall")
-                          for p, n in zip(packets, names)]
-        owned = []
-        for index, (buffer, answer) in enumerate(zip(buffers, received)):
+            rows.append(values)
+            self._feed_back(values, f"{index}.sent", values)
+            sent_lost.append(torch.empty_like(values) if feedback else None)
+            owned_lost.append(torch.empty_like(values[:1]) if feedback else None)
+            for piece, (start, end) in enumerate(piece_bounds(chunk, block, self.pieces)):
+                packet = self._quantized(values[:, start:end], sent_lost[index], start, end)
+                handle = hvd.alltoall_async(packet, splits=self._splits,
+                                            process_set=self.process_set,
+                                            name=f"{name}.int8_alltoall.{piece}")
+                sent.append((index, start, end, name, piece, handle))
+        gathers = []
+        for index, start, end, name, piece, handle in sent:
+            (answer,) = yield [handle]  # the later pieces still travel meanwhile
             packet = answer[0] if isinstance(answer, (tuple, list)) else answer
-            chunk = self._chunk(buffer.numel())
-            quantized, scales = _unpack(packet, chunk)
+            quantized, scales = _unpack(packet, end - start)
             average = dequantize_blocks(quantized, scales, block).sum(dim=0, keepdim=True)
             average.div_(members)
-            self._feed_back(average, f"{index}.owned", pending)
-            quantized, scales = quantize_blocks(average, block)
-            self._keep_loss(average, quantized, scales, f"{index}.owned", pending)
-            owned.append(_pack(quantized, scales))
-        gathered = yield [hvd.allgather_async(p, process_set=self.process_set,
-                                              name=f"{n}.int8_allgather")
-                          for p, n in zip(owned, names)]
-        for buffer, packet in zip(buffers, gathered):
-            chunk = self._chunk(buffer.numel())
-            quantized, scales = _unpack(packet, chunk)
-            whole = dequantize_blocks(quantized, scales, block).reshape(-1)[:buffer.numel()]
-            buffer.copy_(whole.view_as(buffer))
-        if self.residuals is not None:
-            self.residuals.commit(pending)
+            self._feed_back(average, f"{index}.owned", rows[index][:1], start, end)
+            packet = self._quantized(average, owned_lost[index], start, end)
+            gathers.append((index, start, end, hvd.allgather_async(
+                packet, process_set=self.process_set, name=f"{name}.int8_allgather.{piece}")))
+        gathered = yield [handle for _, _, _, handle in gathers]
+        for (index, start, end, _), packet in zip(gathers, gathered):
+            quantized, scales = _unpack(packet, end - start)
+            rows[index][:, start:end] = dequantize_blocks(quantized, scales, block)
+        for buffer, values in zip(buffers, rows):
+            buffer.copy_(values.view(-1)[:buffer.numel()].view_as(buffer))
+        if feedback:
+            self.residuals.commit({**{f"{i}.sent": lost for i, lost in enumerate(sent_lost)},
+                                   **{f"{i}.owned": lost for i, lost in enumerate(owned_lost)}})
         return buffers
 
-    def _feed_back(self, values: torch.Tensor, key: str, pending: dict) -> None:
+    def _feed_back(self, values: torch.Tensor, key: str, like: torch.Tensor,
+                   start: int = 0, end: Optional[int] = None) -> None:
+        """Add the residual kept under ``key`` (shaped like ``like``), columns ``start:end``."""
         if self.residuals is not None:
-            residual = self.residuals.get(key, values)
+            residual = self.residuals.get(key, like)
             if residual is not None:
-                values.add_(residual)
+                values.add_(residual[:, start:end])
 
-    def _keep_loss(self, values, quantized, scales, key: str, pending: dict) -> None:
-        if self.residuals is not None:
-            pending[key] = values - dequantize_blocks(quantized, scales, self.block_size)
+    def _quantized(self, values: torch.Tensor, lost: Optional[torch.Tensor], start: int,
+                   end: int) -> torch.Tensor:
+        """``values`` as a packet of int8 blocks and scales; with error feedback, what that
+        loses goes into columns ``start:end`` of ``lost``."""
+        quantized, scales = quantize_blocks(values, self.block_size)
+        if lost is not None:
+            lost[:, start:end] = values - dequantize_blocks(quantized, scales, self.block_size)
+        return _pack(quantized, scales)
 
     def _packet_bytes(self, numel: int) -> int:
         chunk = self._chunk(numel)

@@ -34,13 +34,15 @@ if args.group_sizes:
 else:
     hva.init()
 rank = hvd.rank()
+hosts = hvd.allgather_object(os.uname().nodename, name="cluster_train.hosts")
+node_peers = [r for r, host in enumerate(hosts) if host == hosts[rank] and r != rank]
 torch.manual_seed(rank)
 model = torch.nn.Linear(args.numel // 10, 10, bias=False)
 optimizer = hva.PostLocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                       hva.PeriodicModelAverager(period=args.period))
 print(f"cluster_train: rank {rank} of {hvd.size()} on {os.uname().nodename}, "
       f"timeout {hva.timeout():g} s", flush=True)
-EXIT_GRACE_S = 2.0
+PEER_WAIT_S = 4.0
 step = 0
 try:
     for step in range(args.steps):
@@ -58,14 +60,19 @@ except (hva.AveragingTimeoutError, HorovodInternalError) as error:
     # Output from a node behind a cut link never reaches the launcher: leave it in a file too.
     (Path(args.checkpoint_dir) / f"rank{rank}.caught").write_text(caught)
     path = Path(args.checkpoint_dir) / f"rank{rank}.pt"
+    partial = path.with_suffix(".partial")  # renamed when whole: peers wait for the name
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
-               path)
+               partial)
+    os.replace(partial, path)
     print(f"cluster_train: rank {rank} checkpoint saved to {path}", flush=True)
     # Under Gloo, a rank that exits closes its sockets, and a peer whose timed-out round is
     # still pending in Horovod's background thread aborts on that (gloo::IoException), maybe
-    # before it saved: measured once in make test, rank 0 aborted while rank 1, which caught
-    # the timeout at the same moment, had already exited. Every survivor's timeout fires
-    # within moments of the others', so a short wait lets them all save first.
-    time.sleep(EXIT_GRACE_S)
+    # before it saved: seen in make test, once with a fixed 2 s wait. Behind a cut link only
+    # the node's own ranks can close a socket on it, so each rank waits (bounded, within the
+    # watchdog's 5 s) until the ranks of its node have saved too.
+    deadline = time.monotonic() + PEER_WAIT_S
+    while time.monotonic() < deadline and not all(
+            (Path(args.checkpoint_dir) / f"rank{peer}.pt").exists() for peer in node_peers):
+        time.sleep(0.05)
     raise
 print(f"cluster_train: rank {rank} reached the end of training", flush=True)

@@ -11,7 +11,9 @@ resets the others, still 4 ranks. A ``PeriodicModelAverager`` over all ranks and
 ``HierarchicalModelAverager({2: 2, 4: 4})`` (pairs of nodes) must both make their sets for the new world, on the
 survivors as on the newcomer (they follow the world by its generation, not its size: a
 survivor that skipped the argument agreement the newcomer runs would leave both waiting in
-different collectives). Every rank checks at the end, against the others, that training
+different collectives). A DiLoCo (outer step every 4 batches) goes with them: the newcomer
+builds its global copy from its own initial weights, and must get rank 0's at the sync (DiLoCo
+averages the progress since that copy). Every rank checks at the end, against the others, that training
 completed with equal parameters after the last all-rank averaging.
 """
 import os
@@ -24,7 +26,7 @@ import torch
 
 import hvd_averaging as hva
 import hvd_averaging.elastic  # noqa: F401  (registers the averagers with TorchState)
-from elastic_step import train_step
+from elastic_step import train_step, train_step_diloco
 from hvd_averaging.process_sets import members
 
 BATCHES, REPLACE_AT = 41, 10  # step 40 averages over all ranks at both averagers
@@ -35,12 +37,15 @@ hva.init()
 hva.set_timeout(30)
 torch.manual_seed(hvd.rank())
 flat_model, tree_model = torch.nn.Linear(8, 2), torch.nn.Linear(8, 2)
+outer_model = torch.nn.Linear(8, 2)
 flat_opt = torch.optim.SGD(flat_model.parameters(), lr=0.05)
 tree_opt = torch.optim.SGD(tree_model.parameters(), lr=0.05)
 state = hvd.elastic.TorchState(
     flat_model=flat_model, tree_model=tree_model, flat_opt=flat_opt, tree_opt=tree_opt,
     periodic=hva.PeriodicModelAverager(period=4),
     hierarchical=hva.HierarchicalModelAverager({2: 2, 4: hvd.size()}),
+    outer_model=outer_model, diloco=hva.DiLoCo(torch.optim.SGD(outer_model.parameters(), lr=0.05),
+                                               hva.PeriodicModelAverager(period=4)),
     batch=0, hosts_seen=[])
 
 
@@ -49,6 +54,7 @@ def train(state):
     while state.batch < BATCHES:
         train_step(flat_model, flat_opt, state.periodic, state.batch)
         train_step(tree_model, tree_opt, state.hierarchical, state.batch)
+        train_step_diloco(outer_model, state.diloco, state.batch)
         hosts = sorted(set(hvd.allgather_object(socket.gethostname(), name="replace.hosts")))
         if hosts not in state.hosts_seen:
             state.hosts_seen.append(hosts)
@@ -70,17 +76,22 @@ size = hvd.size()
 pair = members(state.hierarchical.period_process_set_dict[2])
 flat = hvd.allgather(flat_model.weight.detach().reshape(1, -1), name="replace.flat")
 tree = hvd.allgather(tree_model.weight.detach().reshape(1, -1), name="replace.tree")
-steps = hvd.allgather_object([state.periodic.step, state.hierarchical.step], name="replace.steps")
+outer = hvd.allgather(outer_model.weight.detach().reshape(1, -1), name="replace.outer")
+globals_ = hvd.allgather(state.diloco.global_parameters[0].detach().reshape(1, -1),
+                         name="replace.global")
+steps = hvd.allgather_object([state.periodic.step, state.hierarchical.step,
+                              state.diloco.averager.step], name="replace.steps")
 print(f"rank {hvd.rank()}: size {size}, hosts seen {state.hosts_seen}, steps {steps}, "
       f"pair {pair}", flush=True)
 assert size == 4, size
 assert state.hosts_seen == [sorted(NODES[:4]), sorted(NODES[:3] + NODES[4:])], state.hosts_seen
-assert steps == [[BATCHES, BATCHES]] * size, steps
+assert steps == [[BATCHES, BATCHES, BATCHES]] * size, steps
 rank = hvd.rank()
 assert pair == [rank - rank % 2, rank - rank % 2 + 1], pair  # one rank per node: rank order
-for label, weights in (("periodic", flat), ("hierarchical", tree)):
+for label, weights in (("periodic", flat), ("hierarchical", tree), ("DiLoCo", outer),
+                       ("DiLoCo's global copy", globals_)):
     assert torch.equal(weights.min(0).values, weights.max(0).values), f"{label}: parameters differ"
 if hvd.rank() == 0:
     print(f"elastic replace ok: {NODES[3]}'s worker replaced by one on {NODES[4]}, 4 ranks before "
           f"and after, step {steps[0][0]} on every rank, parameters equal after the final "
-          "averaging at both averagers", flush=True)
+          "averaging at both averagers and after DiLoCo's outer step, its global copy equal", flush=True)

@@ -2,7 +2,7 @@
 import horovod.torch as hvd
 import torch
 
-__all__ = ["train_step"]
+__all__ = ["train_step", "train_step_diloco"]
 
 
 def train_step(model, optimizer, averager, batch: int) -> None:
@@ -12,3 +12,11 @@ def train_step(model, optimizer, averager, batch: int) -> None:
     model(torch.randn(4, 8)).square().mean().backward()
     optimizer.step()
     averager.average_parameters(model.parameters())
+
+
+def train_step_diloco(model, diloco, batch: int) -> None:
+    """This rank's data for ``batch`` and one DiLoCo step (inner step; the outer step when due)."""
+    torch.manual_seed(1000 * hvd.rank() + batch)
+    diloco.zero_grad()
+    model(torch.randn(4, 8)).square().mean().backward()
+    diloco.step()

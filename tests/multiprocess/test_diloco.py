@@ -218,11 +218,15 @@ def test_overlapped_outer_sgd_lr_one_is_the_delayed_averager(world, rank, hierar
 
 
 @pytest.mark.parametrize("saved_after", [1, 2])  # fired at 3, applied at 5: mid-window, due now
-def test_overlapped_resume_is_bit_identical(world, rank, saved_after):
+@pytest.mark.parametrize("wire", [{}, {"compression": "int8", "error_feedback": True}],
+                         ids=["float32", "int8-feedback"])
+def test_overlapped_resume_is_bit_identical(world, rank, saved_after, wire):
+    """The restarted round sends the saved snapshot's progress since the loaded global copy:
+    the same bytes as the interrupted one (int8 with error feedback: the same residuals too)."""
     steps, fired = 11, 3
 
     def build():
-        return make(world, lambda: hva.PeriodicModelAverager(period=3, delay=2),
+        return make(world, lambda: hva.PeriodicModelAverager(period=3, delay=2, **wire),
                     outer=halfway_momentum)
 
     param, opt = build()
@@ -242,7 +246,7 @@ def test_overlapped_resume_is_bit_identical(world, rank, saved_after):
         train_step(param, opt, rank, s)
     assert torch.equal(param.detach(), uninterrupted)
     assert hvd.allgather_object(torch.equal(param.detach(), uninterrupted),
-                                name=f"test.diloco.ovl.resume.{saved_after}") == [True] * world
+                                name=f"test.diloco.ovl.resume.{saved_after}.{bool(wire)}") == [True] * world
 
 
 def test_overlapped_fp16_on_the_wire_stays_close(world, rank):
@@ -288,3 +292,40 @@ def test_overlapped_late_rank_times_out_at_the_apply_step(world, rank):
     signals.close()
     assert hvd.allgather_object(raised is None, name="test.diloco.stall") == \
         [r == late for r in range(world)]
+
+
+# -- int8 on the wire: the progress since the global copy travels, not the parameters ----------
+
+FAR = 4096  # 4 int8 blocks
+
+
+def far_target(rank, step):
+    """Targets near 100: parameters far larger than the progress one round makes."""
+    noise = torch.randn(FAR, generator=torch.Generator().manual_seed(1000 * rank + step))
+    return 100.0 + 0.01 * noise
+
+
+@pytest.mark.parametrize("delay", [0, 1])
+def test_int8_rounds_the_progress_not_the_parameters(world, rank, delay):
+    """Parameters near 100 moving by about 1e-3 per round: int8 of the parameters would be off
+    by up to 100/254 per element; of the progress since the global copy, by far less."""
+    def run(compression):
+        torch.manual_seed(0)
+        param = torch.nn.Parameter(100.0 + 0.01 * torch.randn(FAR))
+        opt = hva.DiLoCo(torch.optim.SGD([param], lr=LR), hva.PeriodicModelAverager(
+            period=3, delay=delay, compression=compression), outer_optimizer=halfway_momentum)
+        for s in range(13):
+            opt.zero_grad()
+            param.grad = param.detach() - far_target(rank, s)
+            opt.step()
+        return param.detach().clone(), opt.global_parameters[0].detach().clone()
+
+    exact, exact_global = run(None)
+    int8, int8_global = run("int8")
+    error = (int8 - exact).abs().max().item()
+    # rounding the progress (|progress| < 0.05): a few 1e-4 after momentum; the parameters: ~0.4
+    assert error < 2e-3, f"int8 DiLoCo is {error} away from float32 DiLoCo"
+    assert not torch.equal(int8_global, exact_global) or world == 1  # it did round
+    globals_ = hvd.allgather(int8_global.reshape(1, -1), name=f"test.diloco.int8.{delay}")
+    assert torch.equal(globals_.min(0).values, globals_.max(0).values), \
+        "the global copies differ across ranks"

@@ -39,8 +39,9 @@ def exact_mean(tensor):
 
 def pseudo_nodes(world, rail_allreduce=False):
     """On one host: pairs of ranks as nodes, to drive the node-aware stages (on the emulated
-    cluster the pairs are the real nodes); the rail crosses with reduce-scatter + allgather
-    (as over MPI) or with one allreduce (as over Gloo)."""
+    cluster the pairs are the real nodes). As over MPI (``rail_allreduce`` False): Horovod's
+    reduce-scatter in the node and reduce-scatter + allgather on the rail; as over Gloo: an
+    alltoall and a local sum in the node and one allreduce on the rail."""
     pairs = [[r, r + 1] for r in range(0, world, 2)]
     rails = [list(range(0, world, 2)), list(range(1, world, 2))]
     node_sets = [hva.process_set(p) for p in pairs]
@@ -50,7 +51,7 @@ def pseudo_nodes(world, rail_allreduce=False):
     rail_set = mine(rail_sets, rails)
     rail = (FlatAllreduce(rail_set, True) if rail_allreduce
             else ReduceScatterAllgather(rail_set, world // 2, True))
-    return NodeAware(mine(node_sets, pairs), rail, 2)
+    return NodeAware(mine(node_sets, pairs), rail, 2, scatter_by_alltoall=rail_allreduce)
 
 
 def drive(transport, buffer, name):

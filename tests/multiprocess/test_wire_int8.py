@@ -15,6 +15,7 @@ from helpers import expect_error_on_every_rank, param
 from hvd_averaging.rounds import average_tensors
 from hvd_averaging.routes import averaging_route
 from hvd_averaging.wire import COMPRESSION_CHOICES, Int8, Route, int8_error_bound, window_absmax
+from hvd_averaging.wire.int8 import Int8Exchange, Residuals, piece_bounds
 from test_transports import link_sent_bytes, pseudo_nodes, stages_on_this_run
 
 NUMEL = 300_007  # above the node-aware threshold, not divisible by 2, 3 or 4
@@ -37,6 +38,7 @@ def pseudo_route(world):
     """On one host: pairs of ranks standing in for nodes (see test_transports.pseudo_nodes)."""
     staged = pseudo_nodes(world)
     return Route(hvd.global_process_set, world, False, node_aware=True, node_set=staged.node_set,
+                 scatter_by_alltoall=not hvd.mpi_enabled(),
                  rail_set=staged.rail.process_set, ranks_per_node=2, nodes=world // 2)
 
 
@@ -114,6 +116,26 @@ def test_int8_on_integer_tensors_raises_naming_the_dtype(world, rank):
     error = expect_error_on_every_rank(
         lambda: average_tensors([counts], compression="int8", name="test.int8.ints"), ValueError)
     assert "compression='int8' quantizes floating-point values; tensor #0 has dtype torch.int64" in str(error)
+
+
+@pytest.mark.parametrize("feedback", [False, True])
+def test_pipelined_pieces_give_the_same_bits_as_one(world, rank, feedback):
+    """Pieces start on block boundaries, so each block's scale and sum are the ones a single
+    piece gives: the averages (and error feedback's residuals) match bit for bit."""
+    numel = 4 * NUMEL
+    assert len(piece_bounds(-(-numel // world), BLOCK, 4)) == 4  # it did cut into 4 pieces
+    results, kept = {}, {}
+    for pieces in (1, 4):
+        residuals = Residuals() if feedback else None
+        exchange = Int8Exchange(hvd.global_process_set, world, False, BLOCK, residuals,
+                                pieces=pieces)
+        results[pieces] = [drive(exchange, wide_values(rank, numel, seed=r), f"test.pieces{pieces}")
+                           for r in range(3)]
+        kept[pieces] = residuals.state_dict() if feedback else {}
+    assert all(torch.equal(a, b) for a, b in zip(results[1], results[4]))
+    assert kept[1].keys() == kept[4].keys() and all(torch.equal(kept[1][k], kept[4][k]) for k in kept[1])
+    exact = every_rank(wide_values(rank, numel, seed=2), "test.pieces.exact").double().mean(0)
+    assert float((results[4][2].double() - exact).abs().max()) > 0  # int8 did round
 
 
 def _rounds(averager, values, rounds, rank):

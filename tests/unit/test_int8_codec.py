@@ -8,6 +8,7 @@ import torch
 import hvd_averaging as hva
 from hvd_averaging.wire import (COMPRESSION_CHOICES, AsIs, Fp16, Int8, dequantize_blocks,
                                 level_codecs, quantize_blocks, wire_codec, window_absmax)
+from hvd_averaging.wire.int8 import piece_bounds
 
 
 @pytest.mark.parametrize("length,block", [(1, 1), (5, 2), (1024, 1024), (3000, 1024), (7, 64)])
@@ -72,3 +73,18 @@ def test_each_level_gets_its_own_codec_and_feedback_only_on_int8():
         level_codecs({8: "fp16"}, True)
     with pytest.raises(ValueError, match="error_feedback must be True or False, got 1"):
         level_codecs({8: "int8"}, 1)
+
+
+@pytest.mark.parametrize("block", [1, 3, 1024])
+@pytest.mark.parametrize("pieces", [1, 2, 4, 7])
+def test_piece_bounds_cover_the_chunk_on_block_boundaries(block, pieces):
+    for chunk in [1, 2, block, block + 1, 63 * block, 64 * block, 129 * block + 5, 1000 * block]:
+        bounds = piece_bounds(chunk, block, pieces)
+        assert bounds[0][0] == 0 and bounds[-1][1] == chunk
+        assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))  # contiguous, in order
+        assert all(start % block == 0 and end > start for start, end in bounds)
+        assert len(bounds) <= pieces
+        if len(bounds) > 1:  # every piece but the last holds at least 64 whole blocks
+            assert all(end - start >= 64 * block for start, end in bounds[:-1])
+        if chunk >= 64 * block * pieces:
+            assert len(bounds) == pieces  # large enough: cut as often as asked
