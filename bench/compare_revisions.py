@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+import run  # this folder's make bench driver: its launch of bench_averaging.py
+
 ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
 HVA = "hva.average_parameters"
 FLOOR = "floor: one allreduce_ of a flat buffer"
 
@@ -33,19 +32,9 @@ def worktree(revision: str, where: Path) -> Path:
 
 
 def launch(tree: Path, controller: str, np: int, shapes: list[str], reps: int, out: Path) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(tree), BENCH_TORCH_PORT="29541")
-    for key in ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM",
-                "OMPI_MCA_rmaps_base_oversubscribe"):
-        env.setdefault(key, "1")
-    cmd = [str(BIN / "horovodrun"), f"--{controller}", "-np", str(np), "-H", f"localhost:{np}",
-           str(BIN / "python"), str(ROOT / "bench" / "bench_averaging.py"), "--out", str(out),
-           "--reps", str(reps), "--shapes", *shapes]
-    # cwd: the revision's tree, so that its package (not this tree's) is the one imported
-    proc = subprocess.run(cmd, cwd=tree, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=900)
-    if proc.returncode != 0:
-        print(proc.stdout[-3000:])
-        raise SystemExit(f"launch failed in {tree} ({controller}), rc {proc.returncode}")
+    """One launch importing ``tree``'s package; its report."""
+    run.launch(controller, np, "dynamic", out, reps, port=29541, extra=("--shapes", *shapes),
+               tree=tree)
     return json.loads(out.read_text())
 
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -49,18 +49,18 @@ LEVEL_ROUNDS = 3  # static/dynamic launch pairs per controller
 
 
 def launch(controller: str, np: int, sets: str, out: Path, reps: int, port: int,
-           extra: tuple[str, ...] = ()) -> None:
-    env = dict(os.environ, BENCH_TORCH_PORT=str(port))
-    for key in ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM",
-                "OMPI_MCA_rmaps_base_oversubscribe"):
-        env.setdefault(key, "1")
+           extra: tuple[str, ...] = (), tree: Optional[Path] = None) -> None:
+    """One launch of ``bench/bench_averaging.py`` (its JSON goes to ``out``); ``tree``: another
+    checkout whose package it imports instead of this one (bench/compare_revisions.py)."""
+    env = launch_env(BENCH_TORCH_PORT=str(port),
+                     **({} if tree is None else {"PYTHONPATH": str(tree)}))
     cmd = [str(BIN / "horovodrun"), f"--{controller}", "-np", str(np), "-H", f"localhost:{np}",
            str(BIN / "python"), str(ROOT / "bench" / "bench_averaging.py"), "--out", str(out),
            "--reps", str(reps), "--process-sets", sets, *extra]
     print(f"=== {' '.join(cmd[1:])}", flush=True)
     start = time.monotonic()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=900)
+    proc = subprocess.run(cmd, cwd=tree or ROOT, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=900)
     for line in proc.stdout.splitlines():
         if "] " in line and (" ms" in line or "Error" in line or "Traceback" in line):
             print("   ", line, flush=True)
