@@ -19,7 +19,7 @@ from pathlib import Path
 
 import cluster_tests
 import slurm_tests
-from rank_output import rank_summaries, suite_passed, test_launch_env
+from rank_output import EVERY_TEST_RUNS_FROM_RANKS, rank_summaries, suite_passed, test_launch_env
 from stage_log import StageLog
 
 from hvd_averaging.examples.methods import DEFAULT_METHODS
@@ -82,12 +82,13 @@ def run_multiprocess(label: str, launcher_args: list[str], extra_env: dict[str, 
     output, rc = launch(cmd, env, timeout_s)
     elapsed = time.monotonic() - start
     summaries = rank_summaries(output)
-    ranks_reported = {rank for rank, _ in summaries}
     ok = suite_passed(output, rc, expected_ranks)
     if not ok:
         print(output, flush=True)  # every rank's output, prefixed by horovodrun with [rank]
+        reported = "; ".join(f"rank {rank}: {line}" for rank, line in summaries) or "none"
         reason = (f"killed after {timeout_s} s (hung collective?)" if rc is None
-                  else f"exit code {rc}, pytest summaries from ranks {sorted(ranks_reported)}")
+                  else f"exit code {rc}, pytest summaries ({expected_ranks} expected; a skip "
+                       f"fails from {EVERY_TEST_RUNS_FROM_RANKS} ranks on): {reported}")
         print(f"=== FAILED: {label}: {reason}", flush=True)
     else:
         for rank, line in summaries:
