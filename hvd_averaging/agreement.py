@@ -16,13 +16,42 @@ import torch
 from .deadlines import bounded_collective
 from .process_sets import members
 
-__all__ = ["config_digest", "check_same_on_all_ranks"]
+__all__ = ["config_digest", "tensor_digest", "check_same_on_all_ranks"]
+
+# Bytes of each failing rank's error text that travel to the others (a uint8 tensor, no pickle).
+_CAUSE_BYTES = 240
 
 
 def config_digest(config) -> int:
     """A stable 63-bit digest of ``repr(config)`` (same on every rank for equal configs)."""
     raw = hashlib.sha256(repr(config).encode()).digest()
     return int.from_bytes(raw[:8], "little") & ((1 << 63) - 1)
+
+
+def tensor_digest(tensors) -> int:
+    """A 63-bit digest of the dtypes, shapes and exact bytes of ``tensors`` (equal on every rank
+    exactly when the values are bit-identical)."""
+    hasher = hashlib.sha256()
+    for tensor in tensors:
+        value = tensor.detach().to("cpu").contiguous()
+        hasher.update(f"{value.dtype}{tuple(value.shape)}".encode())
+        hasher.update(value.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return int.from_bytes(hasher.digest()[:8], "little") & ((1 << 63) - 1)
+
+
+def _causes(local_error: Optional[BaseException], ranks: list[int], failed: list[int],
+            process_set: hvd.ProcessSet, name: str, collective) -> str:
+    """Every failing rank's error, gathered as fixed-size UTF-8 text (one more allgather, made
+    only when some rank failed, so every rank makes it)."""
+    text = f"{type(local_error).__name__}: {local_error}" if local_error is not None else ""
+    raw = text.encode("utf-8", "replace")[:_CAUSE_BYTES]
+    buffer = torch.zeros(1, _CAUSE_BYTES, dtype=torch.uint8)
+    buffer[0, :len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    handle = hvd.allgather_async(buffer, name=f"{name}.causes", process_set=process_set)
+    rows = collective.wait([handle])[0]
+    said = {r: bytes(rows[i].tolist()).rstrip(b"\0").decode("utf-8", "replace")
+            for i, r in enumerate(ranks) if r in failed}
+    return "; ".join(f"rank {r}: {cause}" for r, cause in said.items())
 
 
 def check_same_on_all_ranks(
@@ -38,7 +67,8 @@ def check_same_on_all_ranks(
 
     A rank that hit ``local_error`` (e.g. a ``ValueError`` from validating its arguments) joins
     the allgather anyway, so the others learn about it instead of waiting forever; it then
-    re-raises its own error while the others raise ``RuntimeError`` naming it. ``summary``
+    re-raises its own error while the others raise ``RuntimeError`` naming it and its cause (its
+    error text travels as bytes in a tensor). ``summary``
     replaces ``repr(config)`` in the message when the config is long.
 
     Raises:
@@ -46,16 +76,17 @@ def check_same_on_all_ranks(
     """
     process_set = process_set if process_set is not None else hvd.global_process_set
     digest = -1 if local_error is not None else config_digest(config)
+    ranks = members(process_set)
     with bounded_collective(f"{what} (cross-rank check)") as collective:
         handle = hvd.allgather_async(
             torch.tensor([digest], dtype=torch.int64), name=name, process_set=process_set)
         gathered = collective.wait([handle])[0].tolist()
+        failed = [r for r, d in zip(ranks, gathered) if d == -1]
+        causes = _causes(local_error, ranks, failed, process_set, name, collective) if failed else ""
     if local_error is not None:
         raise local_error
-    ranks = members(process_set)
-    failed = [r for r, d in zip(ranks, gathered) if d == -1]
     if failed:
-        raise RuntimeError(f"{what}: rank(s) {failed} raised an error for their arguments (see their output)")
+        raise RuntimeError(f"{what}: rank(s) {failed} raised an error ({causes})")
     if len(set(gathered)) > 1:
         mine = [r for r, d in zip(ranks, gathered) if d == digest]
         others = [r for r, d in zip(ranks, gathered) if d != digest]

@@ -2,10 +2,8 @@
 
 Construction is collective over all Horovod ranks (it verifies the configuration across ranks
 and may register process sets); ``average_parameters`` is called by every rank once per training
-step and averages only at the scheduled steps (:meth:`ModelAverager.level_at`). An averager
-keeps the step, its schedule, its sets and its state; rounds left in flight are
-:class:`~hvd_averaging.delayed.DelayedRounds`' and the world its sets belong to is a
-:class:`~hvd_averaging.world.WorldFollower`'s.
+step and averages only at the scheduled steps (:meth:`ModelAverager.level_at`). Rounds left in
+flight are :class:`~hvd_averaging.delayed.DelayedRounds`'.
 """
 
 from __future__ import annotations
@@ -17,6 +15,7 @@ from typing import Any, Mapping, Optional
 import horovod.torch as hvd
 
 from .agreement import check_same_on_all_ranks
+from .checkpoint import averager_state_error
 from .delayed import AverageTransform, ConstructionOrder, DelayedRounds, start_delayed_average
 from .params import TensorsLike, collect_parameters, floating_buffers
 from .process_sets import members, process_set as registered_set, registered_process_sets
@@ -96,10 +95,10 @@ class ModelAverager(ABC):
         group of the level scheduled now, if any; then advance ``step``.
 
         Args:
-            params: ``model.parameters()`` or ``optimizer.param_groups`` (parameters whose
-                ``.grad`` is None are skipped).
+            params: ``model.parameters()`` or ``optimizer.param_groups`` (those whose ``.grad``
+                is None are skipped).
             buffers: optional ``model.buffers()``; its floating-point tensors (BatchNorm
-                running statistics) are averaged at the same moments, in the same collective.
+                statistics) are averaged at the same moments, in the same collective.
         """
         if self._delayed.active:
             self._delayed.advance(self.step, lambda level, saved: self._start_delayed(
@@ -112,16 +111,13 @@ class ModelAverager(ABC):
                 self._start_delayed(params, buffers, level, self.step, None)
             elif process_set is not None:
                 average_tensors(self._tensors(params, buffers), process_set,
-                                check_finite=self.check_finite, compression=self._wire(level),
+                                check_finite=self.check_finite, compression=self._codecs.get(level),
                                 context=f"{type(self).__name__} step {self.step}")
         self.step += 1
 
     @staticmethod
     def _tensors(params: TensorsLike, buffers) -> list:
         return collect_parameters(params) + floating_buffers(buffers)
-
-    def _wire(self, level: int) -> Optional[WireCodec]:
-        return self._codecs.get(level)
 
     def _wire_specs(self) -> dict[int, Any]:
         return {level: codec.spec() for level, codec in self._codecs.items()}
@@ -135,7 +131,7 @@ class ModelAverager(ABC):
             self._tensors(params, buffers), process_set, op_tag=f".delayed{level}.a{self._number}",
             buffers=self._delayed.buffers.setdefault(level, {}), check_finite=self.check_finite,
             context=f"{type(self).__name__} step {fired_at} (delay {self._delayed.delays[level]})",
-            compression=self._wire(level),
+            compression=self._codecs.get(level),
             snapshots=None if saved is None else saved["snapshots"],
             snapshot_layout=None if saved is None else saved["layout"],
             before_send=self._delayed.before_send.get(level))
@@ -148,11 +144,10 @@ class ModelAverager(ABC):
     # -- the world the sets belong to --------------------------------------------------------
 
     def _agree_and_register(self, local_error: Optional[BaseException] = None) -> None:
-        """Check the configuration across ranks and register this averager's process sets
-        (collective). In an elastic job (``HOROVOD_ELASTIC=1``) this waits for the first firing
-        step: a worker that joins constructs its averager while the others are inside
-        ``hvd.elastic.run``, so a collective here would hang; every rank reaches a firing step
-        with the same step (it is synchronized state), so doing it there is safe."""
+        """Check the configuration across ranks and register the process sets (collective). In
+        an elastic job this waits for the first firing step: a joining worker constructs its
+        averager while the others are inside ``hvd.elastic.run`` (a collective here would hang),
+        and every rank reaches a firing step with the same, synchronized, step."""
         if elastic_job():
             if local_error is not None:
                 raise local_error
@@ -170,9 +165,8 @@ class ModelAverager(ABC):
         self._prepare_sets([[members(self.process_set)]])
 
     def _follow_world(self) -> None:
-        """At a firing step: if the world changed since the sets were made (an elastic reset,
-        even one that kept the size) or they were never made (elastic start), agree and make
-        them for the world as it is now. Collective, same on every rank."""
+        """At a firing step: if the world changed since the sets were made (an elastic reset)
+        or they were never made (elastic start), agree and make them anew (collective)."""
         if self._sets_dropped():
             renew_world()  # Horovod was started again without an elastic reset announcing it
         if not self._world.behind():
@@ -188,8 +182,8 @@ class ModelAverager(ABC):
         return [self.process_set]
 
     def _sets_dropped(self) -> bool:
-        """True when Horovod no longer holds this averager's sets as they were (it was shut down
-        and initialized again, which drops every set, horovod#4021)."""
+        """True when Horovod no longer holds this averager's sets (it was initialized again,
+        which drops every set, horovod#4021)."""
         own = [s for s in self._process_sets() if s is not hvd.global_process_set]
         if not own or not self._world.started:
             return False
@@ -205,12 +199,11 @@ class ModelAverager(ABC):
                 prepare_process_set(self.process_set if group == parent else registered_set(group))
 
     def _rebuild_for_world(self) -> None:
-        """Fit this averager's levels to the world after Horovod was re-initialized (an elastic
-        reset). Local; :meth:`_follow_world` registers the sets afterwards.
+        """Fit the levels to the world after an elastic reset (local; :meth:`_follow_world`
+        registers the sets afterwards).
 
         Raises:
-            RuntimeError: the averager runs over a subset of ranks, which has no counterpart in
-                the new world.
+            RuntimeError: the averager runs over a subset of ranks (none in the new world).
         """
         if self.process_set is not hvd.global_process_set:
             raise RuntimeError(
@@ -223,10 +216,9 @@ class ModelAverager(ABC):
         return {"process_set_ranks": members(self.process_set), "check_finite": self.check_finite}
 
     def state_dict(self) -> dict[str, Any]:
-        """The averager's resumable state: ``step``, the configuration it applies to and, while a
-        delayed round is in flight, its snapshot (``in_flight``: fired step, layout digest,
-        one tensor per dtype). Loading it restarts that round from the same snapshot, so the
-        run goes on exactly as if uninterrupted."""
+        """``step``, the configuration and, while a delayed round is in flight, its snapshot
+        (``in_flight``: fired step, layout digest, one tensor per dtype), from which loading
+        restarts that round, so the run goes on exactly as if uninterrupted."""
         state: dict[str, Any] = {"step": self.step, "config": self._config()}
         wire = {level: kept for level, kept in
                 ((level, codec.state_dict()) for level, codec in self._codecs.items()) if kept}
@@ -237,32 +229,41 @@ class ModelAverager(ABC):
             state["in_flight"] = in_flight
         return state
 
+    def check_state_dict(self, state_dict: Mapping[str, Any]) -> Optional[ValueError]:
+        """What :meth:`load_state_dict` would reject in ``state_dict`` (local; changes nothing)."""
+        return averager_state_error(state_dict, self._delayed.delays,
+                                    {level for level, codec in self._codecs.items() if codec.keeps_state})
+
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore ``step`` from :meth:`state_dict` (collective: every rank must call it).
+        """Restore :meth:`state_dict` (collective: every rank must call it). Every rank checks
+        its state, the ranks agree on the outcome and the step, and only then is it applied.
 
         Raises:
-            ValueError: ``step`` is missing or not an integer >= 0, or a round in flight does
-                not fit this averager.
-            RuntimeError: ranks loaded different steps (their schedules would diverge and the
-                next averaging collective would hang).
+            ValueError: a bad ``step``, a round in flight that does not fit, NaN/Inf in a
+                snapshot or residual (on that rank; the others raise ``RuntimeError`` naming it
+                and the cause).
+            RuntimeError: ranks loaded different steps (the next collective would hang).
         """
-        step = state_dict.get("step") if isinstance(state_dict, Mapping) else None
-        error = None
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            error = ValueError(f"state_dict['step'] must be an integer >= 0, got {step!r}")
+        error = self.check_state_dict(state_dict)
+        step = state_dict.get("step") if error is None else None
         check_same_on_all_ranks(f"{type(self).__name__}.load_state_dict step", step,
                                 local_error=error, name="hva.agree.load_state_dict")
+        self.apply_state_dict(state_dict)
+
+    def apply_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Put a state in place that :meth:`check_state_dict` accepted on every rank and whose
+        step the ranks agreed on (wrappers load their whole state with one agreement)."""
         saved = state_dict.get("config")
         if saved is not None and saved != self._config():
             warnings.warn(
                 f"loading averager state saved with config {saved} into one with config "
                 f"{self._config()}: the step is restored, the new config is kept",
-                UserWarning, stacklevel=2)
-        self._delayed.load(state_dict.get("in_flight") or {}, step)
+                UserWarning, stacklevel=3)
+        self._delayed.load(state_dict.get("in_flight") or {})
         for level, codec_state in (state_dict.get("wire") or {}).items():
             if level in self._codecs:
                 self._codecs[level].load_state_dict(codec_state)
-        self.step = step
+        self.step = state_dict["step"]
 
 
 class PeriodicModelAverager(ModelAverager):

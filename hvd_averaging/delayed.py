@@ -259,25 +259,10 @@ class DelayedRounds:
         saved.update(self._to_restart)
         return saved
 
-    def load(self, in_flight, step: int) -> None:
-        """Finish the rounds in flight without applying them, then take the checkpoint's, if
-        they fit the delays and ``step`` (the same on every rank: the step was agreed on).
-
-        Raises:
-            ValueError: a saved round does not fit this averager at ``step``.
-        """
+    def load(self, in_flight: Mapping) -> None:
+        """Finish the rounds in flight without applying them, then take the checkpoint's (checked
+        beforehand by :func:`hvd_averaging.checkpoint.averager_state_error` on every rank)."""
         for _, round_ in self._in_flight.values():
             round_.finish_without_applying()
         self._in_flight.clear()
-        if not isinstance(in_flight, Mapping):
-            raise ValueError(f"state_dict['in_flight'] must be a dict, got {type(in_flight).__name__}")
-        checked = {}
-        for level, saved in in_flight.items():
-            delay = self.delays.get(level, 0)
-            fired_at = saved.get("fired_at") if isinstance(saved, Mapping) else None
-            if not delay or not isinstance(fired_at, int) or not fired_at < step <= fired_at + delay:
-                raise ValueError(
-                    f"state_dict['in_flight'][{level!r}] (fired at {fired_at!r}) does not fit this "
-                    f"averager at step {step} (delays per level {self.delays})")
-            checked[level] = dict(saved)
-        self._to_restart = checked
+        self._to_restart = {level: dict(saved) for level, saved in in_flight.items()}

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -99,6 +99,23 @@ class Packing:
     def still_bound(self) -> bool:
         """False once any bound tensor's ``.data`` was replaced (it no longer views its slab)."""
         return all(t.data_ptr() == ptr for t, ptr in self._bound_pointers)
+
+    def detach(self, finished: Callable[[], bool]) -> None:
+        """Give every bound tensor storage of its own, holding its current values, so that
+        nothing written into the slabs from now on reaches it: a timed-out round's collective
+        stays queued in Horovod and may still write its average there when a late rank arrives.
+        ``finished()`` is asked afterwards: if the round completed while the values were being
+        copied, the slabs hold its whole average, which the tensors then take (never a mix)."""
+        moved = []
+        with torch.no_grad():
+            for slab in self.slabs:
+                for t in slab.bound:
+                    in_slab = t.data
+                    t.data = in_slab.clone()
+                    moved.append((t, in_slab))
+            if finished():
+                for t, in_slab in moved:
+                    t.data.copy_(in_slab)
 
     @property
     def extra_bytes(self) -> int:

@@ -10,16 +10,40 @@ group (or not at all), while the averager averages parameters on its schedule.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Any, Iterable, Optional
 
 import horovod.torch as hvd
+import horovod.torch.functions as hvd_functions
 import torch
 
+from .agreement import check_same_on_all_ranks
 from .averagers import ModelAverager, PeriodicModelAverager
+from .checkpoint import optimizer_state_error, split_wrapper_state
 from .process_sets import local_process_set
 from .rounds import average_tensors
 from .schedule import check_int
+
+# How far up the stack Horovod's broadcast_optimizer_state may be when it calls step() (the
+# wrapper's own step, an LR scheduler's step counter and a subclass's step lie in between).
+_STATE_INIT_FRAMES = 6
+
+
+def called_to_initialize_state() -> bool:
+    """True when ``hvd.broadcast_optimizer_state`` is the caller: on a fresh optimizer it sets zero
+    gradients and calls ``step()`` once to create the state. That call is no training step: the
+    wrapper runs the inner step only (the state is created as Horovod expects), and neither
+    averages nor counts it. Decided from the call stack, so every rank decides alike."""
+    frame = sys._getframe(1)
+    target = hvd_functions.broadcast_optimizer_state.__code__
+    for _ in range(_STATE_INIT_FRAMES):
+        frame = frame.f_back
+        if frame is None:
+            return False
+        if frame.f_code is target:
+            return True
+    return False
 
 __all__ = ["PostLocalSGDOptimizer", "PostLocalSGD"]
 
@@ -88,9 +112,11 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
         return self.optim.step(closure) if closure is not None else self.optim.step()
 
     def step(self, closure=None):
-        """Inner optimizer step, then exactly one ``averager.average_parameters``."""
+        """Inner optimizer step, then exactly one ``averager.average_parameters`` (not when
+        ``hvd.broadcast_optimizer_state`` calls it to create the state: then the inner step only)."""
         loss = self._inner_step(closure)
-        self.averager.average_parameters(self.param_groups, buffers=self.buffers)
+        if not called_to_initialize_state():
+            self.averager.average_parameters(self.param_groups, buffers=self.buffers)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -100,31 +126,58 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
         self.optim.add_param_group(param_group)
 
     def state_dict(self) -> dict:
-        """The inner optimizer's state plus ``"averager"`` (its step, config and any round in
-        flight: everything to resume exactly)."""
+        """PyTorch's form: the inner optimizer's state with the averager's step at the top level
+        (``"step"``), plus ``"averager"``: its config and any round in flight (everything to
+        resume exactly)."""
         state = self.optim.state_dict()
-        state["averager"] = self.averager.state_dict()
+        averager = self.averager.state_dict()
+        state["step"] = averager.pop("step")
+        state["averager"] = averager
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore the inner optimizer and the averager (collective: every rank calls it).
 
-        Checkpoints written before the step was stored once (a top-level ``"step"``, and
-        ``"iteration"`` for :class:`PostLocalSGD`) still load. A state without any step (e.g. a
-        plain optimizer checkpoint) warns and resets the averager's step to 0.
+        Every rank first checks what it loads (the inner optimizer's groups and NaN/Inf, the
+        averager's step and rounds in flight), the ranks agree, and only then is anything
+        applied: a bad file on one rank raises on every rank, naming that rank and the cause,
+        and leaves every rank's state as it was. Checkpoints of this project's older forms load
+        (:mod:`hvd_averaging.checkpoint`); one without any step (a plain optimizer's) warns and
+        resets the averager's step to 0, as PyTorch's wrapper does.
+
+        Raises:
+            ValueError: this rank's state does not fit (named).
+            RuntimeError: another rank's does not (naming it and why), or ranks loaded different
+                steps.
         """
-        state = dict(state_dict)
-        legacy_step = state.pop("step", None)
-        state.pop("iteration", None)  # PostLocalSGD's copy of the step in older checkpoints
-        averager_state = dict(state.pop("averager", None) or {})
-        self.optim.load_state_dict(state)
-        if "step" not in averager_state:
-            if legacy_step is None:
-                warnings.warn(
-                    "loaded optimizer state has no averager step: the averager's step is reset "
-                    "to 0, so the averaging schedule restarts", UserWarning, stacklevel=2)
-            averager_state["step"] = legacy_step if legacy_step is not None else 0
-        self.averager.load_state_dict(averager_state)
+        error, parts = None, None
+        try:
+            parts = split_wrapper_state(state_dict)
+            error = optimizer_state_error(self.optim, parts.inner) \
+                or self.averager.check_state_dict(parts.averager) or self._check_own_state(state_dict)
+        except ValueError as bad:
+            error = bad
+        agreed = None if error is not None else (parts.averager["step"], self._own_state_digest(state_dict))
+        check_same_on_all_ranks(f"{type(self).__name__}.load_state_dict (step, {self._own_state_name})",
+                                agreed, local_error=error, name="hva.agree.optimizer_load")
+        if parts.step_missing:
+            warnings.warn("loaded optimizer state has no averager step: the averager's step is reset "
+                          "to 0, so the averaging schedule restarts", UserWarning, stacklevel=2)
+        self.averager.apply_state_dict(parts.averager)
+        self.optim.load_state_dict(parts.inner)
+        self._apply_own_state(state_dict)
+
+    # What a subclass keeps beside the inner optimizer and the averager (DiLoCo: its global copy).
+    _own_state_name = "nothing else"
+
+    def _check_own_state(self, state_dict: dict) -> Optional[ValueError]:
+        return None
+
+    def _own_state_digest(self, state_dict: dict) -> Optional[int]:
+        return None
+
+    def _apply_own_state(self, state_dict: dict) -> None:
+        pass
 
 
 class PostLocalSGD(PostLocalSGDOptimizer):
@@ -172,7 +225,19 @@ class PostLocalSGD(PostLocalSGDOptimizer):
                  local_group_size: Optional[int] = None,
                  buffers: Optional[Iterable[torch.Tensor]] = None,
                  grad_scaler: Optional[Any] = None):
-        check_int("start_localSGD_iter", start_localSGD_iter, 0)
+        error = None
+        try:
+            check_int("start_localSGD_iter", start_localSGD_iter, 0)
+            if local_group_size is not None:
+                check_int("local_group_size", local_group_size, 1)
+            if not isinstance(post_local_gradient_allreduce, bool):
+                raise ValueError("post_local_gradient_allreduce must be True or False, got "
+                                 f"{post_local_gradient_allreduce!r}")
+        except ValueError as bad:
+            error = bad
+        # Ranks that disagree would average gradients in different sets from different steps on.
+        check_same_on_all_ranks("PostLocalSGD arguments", (start_localSGD_iter, post_local_gradient_allreduce,
+                                local_group_size), local_error=error, name="hva.agree.PostLocalSGD")
         if averager is None:
             averager = PeriodicModelAverager(period=4, warmup_steps=start_localSGD_iter)
         super().__init__(optimizer, averager, buffers=buffers, grad_scaler=grad_scaler)
@@ -182,7 +247,7 @@ class PostLocalSGD(PostLocalSGDOptimizer):
                 raise TypeError(f"named_parameters must yield (name, parameter) pairs, got {entry!r:.80}")
         self._gradient_params = [p for _, p in named]
         self.start_localSGD_iter = start_localSGD_iter
-        self.post_local_gradient_allreduce = bool(post_local_gradient_allreduce)
+        self.post_local_gradient_allreduce = post_local_gradient_allreduce
         warmup = getattr(averager, "warmup_steps", None)
         if warmup is not None and warmup < start_localSGD_iter:
             warnings.warn(
@@ -218,5 +283,7 @@ class PostLocalSGD(PostLocalSGDOptimizer):
         if closure is not None:
             raise ValueError("PostLocalSGD.step does not take a closure: gradients must be averaged "
                              "between backward and the optimizer step")
+        if called_to_initialize_state():  # hvd.broadcast_optimizer_state: no training step
+            return self._inner_step()
         self._average_gradients()
         return super().step()

@@ -29,11 +29,14 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from .agreement import check_same_on_all_ranks
+from .agreement import check_same_on_all_ranks, tensor_digest
 from .averagers import ModelAverager, PeriodicModelAverager
+from .broadcast import broadcast_from_first_member
+from .checkpoint import optimizer_state_error, tensors_error
 from .hierarchical import HierarchicalModelAverager
-from .optim import PostLocalSGDOptimizer
+from .optim import PostLocalSGDOptimizer, called_to_initialize_state
 from .params import collect_parameters
+from .startup import elastic_job
 
 __all__ = ["DiLoCo", "default_outer_optimizer", "slowmo_outer_optimizer"]
 
@@ -77,9 +80,16 @@ class DiLoCo(PostLocalSGDOptimizer):
     (one more copy for momentum); overlapped, also the delayed round's snapshot and the buffer
     its average arrives in.
 
+    One starting point: construction is collective over all ranks, and every member of the
+    averager's set takes the first member's parameters (rank 0's for all ranks), bit for bit, as
+    DDP does at construction; the global copy starts from them. (In elastic jobs
+    ``DiLoCoStateHandler`` broadcasts rank 0's state instead.) ``load_state_dict`` compares a
+    digest of the loaded global copy across ranks.
+
     Raises:
-        TypeError: ``optim``, ``averager`` or ``outer_optimizer`` is of the wrong kind (on every
-            rank alike: construction talks to no other rank).
+        TypeError: ``optim``, ``averager`` or ``outer_optimizer`` is of the wrong kind (on that
+            rank; the others raise ``RuntimeError`` naming it).
+        RuntimeError: ranks hold models of different shapes.
 
     Example::
 
@@ -99,14 +109,24 @@ class DiLoCo(PostLocalSGDOptimizer):
                  buffers: Optional[Iterable[torch.Tensor]] = None,
                  grad_scaler: Optional[Any] = None, global_on_cpu: bool = False):
         super().__init__(optim, averager, buffers=buffers, grad_scaler=grad_scaler)
-        if not isinstance(averager, (PeriodicModelAverager, HierarchicalModelAverager)):
-            raise TypeError("DiLoCo needs a PeriodicModelAverager or a HierarchicalModelAverager "
-                            f"(its top level gets the outer step), got {type(averager).__name__}")
         make_outer = outer_optimizer if outer_optimizer is not None else default_outer_optimizer
-        if not callable(make_outer):
-            raise TypeError("outer_optimizer must be a callable params -> torch.optim.Optimizer, "
-                            f"got {type(make_outer).__name__}")
+        error = None
+        if not isinstance(averager, (PeriodicModelAverager, HierarchicalModelAverager)):
+            error = TypeError("DiLoCo needs a PeriodicModelAverager or a HierarchicalModelAverager "
+                              f"(its top level gets the outer step), got {type(averager).__name__}")
+        elif not callable(make_outer):
+            error = TypeError("outer_optimizer must be a callable params -> torch.optim.Optimizer, "
+                              f"got {type(make_outer).__name__}")
         self._params = [p for group in optim.param_groups for p in group["params"]]
+        if not elastic_job():  # elastic: DiLoCoStateHandler's sync broadcasts rank 0's state
+            check_same_on_all_ranks("DiLoCo arguments", global_on_cpu, local_error=error,
+                                    name="hva.agree.DiLoCo")
+            # One starting point, as DDP and torchft have: every rank takes the first member's
+            # parameters, so that the global copy, and what is averaged against it, agree.
+            broadcast_from_first_member(self._params, averager.process_set,
+                                        what="DiLoCo's starting point", name="hva.diloco.start")
+        elif error is not None:
+            raise error
         self.global_on_cpu = bool(global_on_cpu)
         with torch.no_grad():
             self.global_parameters = [
@@ -123,8 +143,11 @@ class DiLoCo(PostLocalSGDOptimizer):
                                                before_send=self._progress_to_send)
 
     def step(self, closure=None):
-        """Inner step; then the averager's round, and at its top level the outer step."""
+        """Inner step; then the averager's round, and at its top level the outer step (not when
+        ``hvd.broadcast_optimizer_state`` calls it to create the state: then the inner step only)."""
         loss = self._inner_step(closure)
+        if called_to_initialize_state():
+            return loss
         # overlapped, the outer step runs inside the averager, when the delayed round is applied
         outer = not self.overlapped and \
             self.averager.level_at(self.averager.step) == self.averager.top_level
@@ -196,32 +219,24 @@ class DiLoCo(PostLocalSGDOptimizer):
         state["global_parameters"] = [g.detach().clone() for g in self.global_parameters]
         return state
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Restore everything :meth:`state_dict` holds (collective: the averager checks that
-        every rank restores the same step).
+    # load_state_dict (the wrapper's) checks, agrees and applies these beside the rest.
+    _own_state_name = "digest of the global copy"
 
-        Raises:
-            ValueError: ``global_parameters`` is missing or does not match the parameters.
-        """
-        state = dict(state_dict)
-        outer_state = state.pop("outer_optimizer", None)
-        saved = state.pop("global_parameters", None)
-        error = None
-        if outer_state is None or saved is None:
-            error = ValueError("DiLoCo.load_state_dict needs 'outer_optimizer' and "
-                               "'global_parameters' (a checkpoint of DiLoCo.state_dict())")
-        elif len(saved) != len(self.global_parameters) or any(
-                tuple(s.shape) != tuple(g.shape) for s, g in zip(saved, self.global_parameters)):
-            error = ValueError(
-                f"global_parameters has {len(saved)} tensors of shapes "
-                f"{[tuple(s.shape) for s in saved][:4]}..., the model has "
-                f"{len(self.global_parameters)} of shapes "
-                f"{[tuple(g.shape) for g in self.global_parameters][:4]}...")
-        # A bad checkpoint on one rank must not leave the others waiting in the averager's check.
-        check_same_on_all_ranks("DiLoCo.load_state_dict", "loadable", local_error=error,
-                                name="hva.agree.diloco.load")
-        super().load_state_dict(state)
+    def _check_own_state(self, state_dict: dict) -> Optional[ValueError]:
+        if "outer_optimizer" not in state_dict or "global_parameters" not in state_dict:
+            return ValueError("DiLoCo.load_state_dict needs 'outer_optimizer' and "
+                              "'global_parameters' (a checkpoint of DiLoCo.state_dict())")
+        return tensors_error("global_parameters", state_dict["global_parameters"],
+                             self.global_parameters) or optimizer_state_error(
+            self.outer_optimizer, state_dict["outer_optimizer"], "the outer optimizer's state")
+
+    def _own_state_digest(self, state_dict: dict) -> int:
+        # Ranks that load different global copies would average progress against different
+        # points and drift apart without any error.
+        return tensor_digest(state_dict["global_parameters"])
+
+    def _apply_own_state(self, state_dict: dict) -> None:
         with torch.no_grad():
-            for global_, value in zip(self.global_parameters, saved):
+            for global_, value in zip(self.global_parameters, state_dict["global_parameters"]):
                 global_.copy_(value)
-        self.outer_optimizer.load_state_dict(outer_state)
+        self.outer_optimizer.load_state_dict(state_dict["outer_optimizer"])

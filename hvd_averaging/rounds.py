@@ -16,9 +16,9 @@ bfloat16 (absent from Horovod's torch ops, horovod#4047) travels as float32.
 
 Ranks must agree on what they average, or Horovod hangs (a dtype only some ranks have) or
 silently averages unrelated tensors (equal sizes, different shapes). One small allgather compares
-a digest of the layout (dtypes, shapes) across the set the first time a list of tensors is
-averaged over a set, and whenever the list or its layout changes; rounds over the same tensors
-add no collective. (A list that changes on some ranks only is caught by the timeout.)
+a digest of the layout (dtypes, shapes) and the wire format across the set the first time a
+name is averaged over a set, and whenever that layout or format changes; rounds over the same
+layout add no collective. (A list that changes on some ranks only is caught by the timeout.)
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import horovod.torch as hvd
 import torch
 
 from .agreement import check_same_on_all_ranks, config_digest
-from .deadlines import bounded_collective
+from .deadlines import AveragingTimeoutError, bounded_collective
 from .flat_storage import Packing, pack
 from .params import TensorsLike, check_local_layout, collect_parameters, first_non_finite
 from .process_sets import members
@@ -57,7 +57,7 @@ class RoundBook:
     def __init__(self) -> None:
         self.packings: dict[tuple, Packing] = {}  # by (name, tensor identities), at most a few
         self.reused: dict[str, dict] = {}  # per name, for tensors copied through (gradients)
-        self.agreed_layouts: dict[tuple, int] = {}  # (set id, name) -> layout digest agreed on
+        self.agreed_layouts: dict[tuple, tuple] = {}  # (set id, name) -> (layout digest, wire) agreed
         self.codecs: dict[str, WireCodec] = {}  # per public spelling: stateless, shared
 
     def codec(self, compression) -> WireCodec:
@@ -149,7 +149,6 @@ def begin_round(tensors: list[torch.Tensor], process_set: Optional[hvd.ProcessSe
     what = f"{context} over process set {set_ranks} ({name!r}, {len(tensors)} tensors)"
     local_error = None
     packing = book.cached_packing(tensors, name, bind)
-    new_list = packing is None and bind  # a list seen for the first time (or re-bound) is checked
     if packing is None:
         try:
             codec.check_tensors(tensors)
@@ -168,18 +167,22 @@ def begin_round(tensors: list[torch.Tensor], process_set: Optional[hvd.ProcessSe
                 local_error = NonFiniteError(
                     f"{what}: {where}; refusing to average it into every rank's model")
     agreed_key = (set_id, name)
-    layout_digest = packing.layout_digest if packing is not None else None
-    if (local_error is not None or check_finite or new_list
-            or book.agreed_layouts.get(agreed_key) != layout_digest):
+    # the wire format too: ranks that pass different compression= are told, not left waiting
+    layout = (packing.layout_digest, repr(codec.spec())) if packing is not None else None
+    # A list packed anew with the layout agreed before (re-bound on some ranks only, e.g. after
+    # a timeout moved its tensors out) needs no check: a collective some ranks skip would hang.
+    if (local_error is not None or check_finite
+            or book.agreed_layouts.get(agreed_key) != layout):
         dtypes = sorted({str(t.dtype).replace("torch.", "") for t in tensors})
         check_same_on_all_ranks(
             f"the tensors of {what}",
-            layout_digest,
+            layout,
             local_error=local_error,
             process_set=process_set,
             name=f"hva.layout.{set_id}.{name}",
-            summary=f"{len(tensors)} tensors ({sum(t.numel() for t in tensors)} elements, dtypes {dtypes})")
-        book.agreed_layouts[agreed_key] = layout_digest
+            summary=f"{len(tensors)} tensors ({sum(t.numel() for t in tensors)} elements, dtypes "
+                    f"{dtypes}) in wire format {codec.spec()!r}")
+        book.agreed_layouts[agreed_key] = layout
     if not tensors or len(set_ranks) == 1:
         return None
     return Round(packing, process_set, set_ranks, name, what, codec, node_aware)
@@ -220,7 +223,10 @@ def average_tensors(
         NonFiniteError: with ``check_finite``, a tensor holds NaN/Inf on this rank (checked
             before any data moves; the other members raise ``RuntimeError`` naming this rank);
             with float16 or int8, a NaN/Inf on any rank (raised on every member).
-        AveragingTimeoutError: the round did not finish within ``hva.timeout()`` seconds.
+        AveragingTimeoutError: the round did not finish within ``hva.timeout()`` seconds. Each
+            tensor then holds its value from before the round (or the round's whole average, if
+            it completed while the error was raised), in storage of its own that no late
+            transfer of the round writes into.
         HorovodInternalError: Horovod failed or was shut down during the round.
     """
     round_ = begin_round(tensors, process_set, name=name, bind=bind, check_finite=check_finite,
@@ -232,7 +238,14 @@ def average_tensors(
     transport = round_.transport()
     nbytes = round_.count(transport, buffers)
     with bounded_collective(round_.what, nbytes) as collective, round_.naming_non_finite():
-        collective.drive([transport.start(buffers, round_.op_names(), round_.what)])
+        transfer = transport.start(buffers, round_.op_names(), round_.what)
+        try:
+            collective.drive([transfer])
+        except AveragingTimeoutError:
+            # The collective stays queued and a flat one writes into the slabs when the late
+            # rank comes: the parameters move out first (the next round packs them anew).
+            round_.packing.detach(finished=transfer.ready)
+            raise
     for slab in slabs:
         slab.copy_out()
 

@@ -182,10 +182,10 @@ def _checkpoints_load(directory: Path, ranks) -> list[str]:
     for rank in ranks:
         path = directory / f"rank{rank}.pt"
         try:
-            state = torch.load(path, weights_only=False)
-            averager = state.get("optimizer", {}).get("averager", {})
+            state = torch.load(path, weights_only=True)
+            # the averager's step at the optimizer's top level, PyTorch's form
             if not {"model", "optimizer", "step"} <= set(state) or \
-                    not isinstance(averager.get("step"), int):
+                    not isinstance(state["optimizer"].get("step"), int):
                 problems.append(f"{path.name} lacks model/optimizer/the averager's step")
         except Exception as error:  # noqa: BLE001 - reported as a failure
             problems.append(f"{path.name}: {type(error).__name__}: {error}")

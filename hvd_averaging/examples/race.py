@@ -253,7 +253,7 @@ def evaluate_snapshots(points: Sequence[Snapshot], model: torch.nn.Module,
         hvd.barrier()
         averaged = None
         if hvd.rank() == 0:
-            averaged = sum(torch.load(folder / f"rank{r}.pt") for r in range(hvd.size())) / hvd.size()
+            averaged = sum(torch.load(folder / f"rank{r}.pt", weights_only=True) for r in range(hvd.size())) / hvd.size()
         hvd.barrier()
         (folder / f"rank{hvd.rank()}.pt").unlink()
     else:

@@ -136,7 +136,11 @@ class Residuals:
 
     def get(self, key: str, like: torch.Tensor) -> Optional[torch.Tensor]:
         found = self.kept.get(key)
-        return found if found is not None and found.shape == like.shape else None
+        if found is None or found.shape != like.shape:
+            return None
+        if found.device != like.device:  # loaded with map_location="cpu", trained on a GPU
+            found = self.kept[key] = found.to(like.device)
+        return found
 
     def commit(self, pending: dict[str, torch.Tensor]) -> None:
         self.kept.update(pending)

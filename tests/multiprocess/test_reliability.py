@@ -114,3 +114,60 @@ def test_flat_storage_keeps_optimizers_and_state_dict_working(world, rank):
         p.grad = torch.zeros_like(p)
     hva.average_parameters(model.parameters())
     assert gathered(model[2].bias[0]) == [sum(range(world)) / world + 1] * world
+
+
+def test_timed_out_round_leaves_parameters_whole(world, rank, tmp_path):
+    """The ranks that time out save a checkpoint in their except block; then the late rank
+    arrives and the round's queued collective completes. What they saved, and their parameters
+    afterwards, hold each tensor's value from before the round, element for element (at the
+    commit before this test the late round's average overwrote all 1,048,576 elements of rank
+    0's parameter within 8 s, over MPI and Gloo); the late rank holds the round's average."""
+    late = world - 1
+    on_time = [r for r in range(world) if r != late]
+    signals = OutOfBand("torn")
+    params = [param(rank + 1.0, shape=(1024, 1024)), param(10.0 * rank, shape=(7,))]
+    averager = hva.PeriodicModelAverager(period=2)
+    averager.average_parameters(params)  # step 0: the layout is agreed, the slab bound
+    averager.average_parameters(params)
+    with torch.no_grad():
+        for p in params:
+            p.add_(float(rank))  # each rank's own values before the round at step 2
+    before = [p.detach().clone() for p in params]
+    hva.set_timeout(3, exit_after=None)  # this test recovers from the stall
+    try:
+        if rank == late:
+            signals.wait_for("saved", on_time)
+            averager.average_parameters(params)  # completes: the others' collectives were queued
+            signals.tell("done")
+        else:
+            with pytest.raises(hva.AveragingTimeoutError):
+                averager.average_parameters(params)
+            torch.save([p.detach() for p in params], tmp_path / "except.pt")
+            signals.tell("saved")
+            signals.wait_for("done", [late])
+            time.sleep(0.5)  # a late write, if one reached the parameters, has landed by now
+    finally:
+        hva.set_timeout(None)
+    signals.close()
+    if rank == late:
+        for p, b in zip(params, before):  # every rank added its rank to equal values
+            assert torch.equal(p.detach(), b + ((world - 1) / 2 - rank)), "the late rank averaged"
+    else:
+        saved = torch.load(tmp_path / "except.pt", weights_only=True)
+        for index, (p, s, b) in enumerate(zip(params, saved, before)):
+            assert torch.equal(s, b), f"checkpoint tensor #{index} changed in {int((s != b).sum())} elements"
+            assert torch.equal(p.detach(), b), f"parameter #{index} overwritten after the timeout"
+    # the averager goes on: the parameters are packed anew at the next round
+    averager.average_parameters(params)
+    averager.average_parameters(params)
+    everyone = hvd.allgather(params[1].detach().reshape(1, -1), name="test.torn.after")
+    assert all(torch.equal(everyone[0], row) for row in everyone)
+
+
+def test_ranks_passing_different_compression_are_told(world, rank):
+    params = [param(rank, shape=(64,))]
+    compression = "fp16" if rank == world - 1 else None
+    error = expect_error_on_every_rank(
+        lambda: hva.average_parameters(params, compression=compression), RuntimeError)
+    assert "differs across ranks" in str(error) and "wire format" in str(error)
+    assert torch.equal(params[0].detach(), torch.full((64,), float(rank)))

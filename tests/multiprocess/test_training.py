@@ -1,13 +1,14 @@
 """Training integration on real ranks: parity with a hand-computed reference, resume, the
 gradient switch of post-local SGD, GradScaler skips and buffers."""
 import copy
+import time
 
 import horovod.torch as hvd
 import pytest
 import torch
 
 import hvd_averaging as hva
-from helpers import gathered
+from helpers import expect_error_on_every_rank, gathered
 
 
 def rank_data(r, steps, n=8):
@@ -66,8 +67,9 @@ def test_periodic_parity_with_hand_computed_reference(world, rank):
     _, opt, history = run_wrapped(hva.PeriodicModelAverager(period=3, warmup_steps=2), steps)
     for step, mine in enumerate(history):
         assert torch.allclose(mine, expected[step][rank], atol=1e-6, rtol=0), step
-    assert opt.averager.step == steps == opt.state_dict()["averager"]["step"]
-    assert "step" not in opt.state_dict()  # the step is stored once, in the averager's state
+    # PyTorch's PostLocalSGDOptimizer form: the step at the top level, stored once
+    assert opt.averager.step == steps == opt.state_dict()["step"]
+    assert "step" not in opt.state_dict()["averager"]
 
 
 def test_hierarchical_parity_with_hand_computed_reference(world, rank):
@@ -110,7 +112,7 @@ def test_checkpoint_resume_is_bit_identical(world, kind, k):
     model, opt, _ = run_wrapped(averager(), k)
     saved_model = copy.deepcopy(model.state_dict())
     saved_opt = copy.deepcopy(opt.state_dict())
-    assert saved_opt["averager"]["step"] == k
+    assert saved_opt["step"] == k
     resumed_model = make_model()
     resumed_model.load_state_dict(saved_model)
     resumed_opt = hva.PostLocalSGDOptimizer(
@@ -128,18 +130,23 @@ def test_missing_step_in_checkpoint_warns_and_resets():
     assert opt.averager.step == 0
 
 
-def test_checkpoint_of_the_older_layout_still_loads(world):
-    """Checkpoints written when the step was stored at the top level too (and PostLocalSGD's
-    "iteration") resume at that step."""
+@pytest.mark.parametrize("form", ["pytorch", "step in averager", "step and iteration at top"])
+def test_every_checkpoint_form_loads(world, form):
+    """PyTorch's form (the step at the top level, as written now), this project's form of
+    2026-12-03/04 (the step only inside "averager") and the oldest one (the step at the top
+    level and PostLocalSGD's "iteration", the averager's config beside) resume at that step."""
     model, opt, _ = run_wrapped(hva.PeriodicModelAverager(period=2), 5)
-    old = opt.state_dict()
-    old["step"] = old["averager"].pop("step")
-    old["averager"].pop("config")
-    old["iteration"] = old["step"]
+    saved = opt.state_dict()
+    assert saved["step"] == 5 and "step" not in saved["averager"]
+    if form == "step in averager":
+        saved["averager"]["step"] = saved.pop("step")
+    elif form == "step and iteration at top":
+        saved["iteration"] = saved["step"]
+        saved["averager"].pop("config")
     fresh = hva.PostLocalSGD(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
                              start_localSGD_iter=0,
                              averager=hva.PeriodicModelAverager(period=2))
-    fresh.load_state_dict(old)
+    fresh.load_state_dict(saved)
     assert fresh.averager.step == fresh.iteration == 5
     assert hvd.allgather_object(fresh.iteration, name="test.legacy.step") == [5] * world
 
@@ -218,3 +225,85 @@ def test_buffers_averaged_at_the_same_moments_only_when_asked(world, rank, with_
         assert values == [rank, rank + 1]
     assert bn.num_batches_tracked.item() == 2  # integer buffer never averaged
     assert gathered(bn.running_mean[0])[rank] == rank + 1
+
+
+WRAPPERS = ["PostLocalSGDOptimizer", "PostLocalSGD", "DiLoCo"]
+
+
+def wrap(kind, model, inner, period=2):
+    averager = hva.PeriodicModelAverager(period=period)
+    if kind == "PostLocalSGDOptimizer":
+        return hva.PostLocalSGDOptimizer(inner, averager)
+    if kind == "PostLocalSGD":
+        return hva.PostLocalSGD(inner, model.named_parameters(), start_localSGD_iter=0,
+                                averager=averager)
+    return hva.DiLoCo(inner, averager)
+
+
+@pytest.mark.parametrize("kind", WRAPPERS)
+def test_broadcast_optimizer_state_counts_no_step(world, rank, kind):
+    """Horovod's recipe on a fresh wrapper: hvd.broadcast_optimizer_state creates the state with
+    a step on zero gradients. That step is not training: the averager counts nothing and
+    averages nothing (at the commit before this test it counted one step, so a 28-step run
+    ended at averager step 29), and the inner state exists afterwards, as Horovod expects. Also
+    with an LR scheduler attached, which wraps step()."""
+    model = make_model()
+    with torch.no_grad():
+        model.weight.add_(float(rank))  # differ: an averaging would show
+    opt = wrap(kind, model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    before = model.weight.detach().clone()
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    assert opt.averager.step == 0
+    assert torch.equal(model.weight.detach(), before), "zero gradients and nothing averaged"
+    assert all("momentum_buffer" in opt.state[p] for p in model.parameters())
+    data = rank_data(rank, 3)
+    for step in range(3):
+        local_step(model, opt, data[step])
+        opt.step()
+        scheduler.step()
+    assert opt.averager.step == 3 and opt.state_dict()["step"] == 3
+    assert opt.optim.param_groups[0]["lr"] == 0.1 * 0.5 ** 3  # the scheduler drives the inner lr
+    assert hvd.allgather_object(opt.averager.step, name=f"test.bos.{kind}") == [3] * world
+
+
+@pytest.mark.parametrize("kind", WRAPPERS)
+def test_bad_checkpoint_on_one_rank_raises_everywhere_and_changes_nothing(world, rank, kind):
+    """A NaN in one rank's file: that rank raises ValueError naming it, the others a
+    RuntimeError naming that rank and the cause, within seconds (not at the 45 s timeout), and
+    every rank's inner optimizer and averager are as they were."""
+    model = make_model()
+    opt = wrap(kind, model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    data = rank_data(rank, 3)
+    for step in range(3):
+        local_step(model, opt, data[step])
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    before = copy.deepcopy(opt.optim.state_dict())
+    bad = world - 1
+    if rank == bad:
+        saved["state"][0]["momentum_buffer"][0, 1] = float("nan")
+        saved["step"] = 9  # loaded as a whole or not at all
+    start = time.monotonic()
+    error = expect_error_on_every_rank(lambda: opt.load_state_dict(saved), (ValueError, RuntimeError))
+    assert time.monotonic() - start < 10
+    if rank == bad:
+        assert isinstance(error, ValueError) and "NaN/Inf" in str(error)
+    else:
+        assert f"rank(s) [{bad}] raised an error" in str(error) and "NaN/Inf" in str(error)
+    assert opt.averager.step == 3
+    now = opt.optim.state_dict()
+    assert torch.equal(now["state"][0]["momentum_buffer"], before["state"][0]["momentum_buffer"])
+
+
+def test_post_local_sgd_arguments_agreed_across_ranks(world, rank):
+    model = make_model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    error = expect_error_on_every_rank(
+        lambda: hva.PostLocalSGD(inner, model.named_parameters(), start_localSGD_iter=rank + 1),
+        RuntimeError)
+    assert "PostLocalSGD arguments differs across ranks" in str(error)
+    error = expect_error_on_every_rank(
+        lambda: hva.PostLocalSGD(inner, model.named_parameters(), start_localSGD_iter=1,
+                                 local_group_size=0 if rank == 0 else 1), (ValueError, RuntimeError))
+    assert ("local_group_size must be >= 1" in str(error)) if rank == 0 else "rank(s) [0]" in str(error)

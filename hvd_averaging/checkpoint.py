@@ -1,0 +1,147 @@
+"""Checkpoint forms and their checks: what a state dict must hold before any state changes.
+
+Loading is collective and must leave nothing half loaded: each rank first checks what it read
+(the functions here are local and change nothing), the ranks agree on the outcome, and only
+then is anything applied. Pure logic, no collectives.
+
+The wrappers' form is PyTorch's ``PostLocalSGDOptimizer`` one: the inner optimizer's state dict
+with the averager's step at the top level (``sd["step"]``). Older forms of this project still
+load: the step inside ``sd["averager"]`` (2026-12-03 to 2026-12-04), and the top-level step with
+PostLocalSGD's ``"iteration"`` beside it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple, Optional
+
+import torch
+
+__all__ = ["WrapperState", "split_wrapper_state", "non_finite_error", "step_error",
+           "optimizer_state_error", "averager_state_error", "tensors_error"]
+
+
+class WrapperState(NamedTuple):
+    """A wrapper's state dict taken apart."""
+
+    inner: dict  # the inner optimizer's state dict
+    averager: dict  # the averager's state (its step included)
+    step_missing: bool  # no step anywhere (a plain optimizer's checkpoint): restart at 0
+
+
+def split_wrapper_state(state_dict: Mapping) -> WrapperState:
+    """The inner optimizer's part and the averager's part of a wrapper's ``state_dict``, in any
+    form this project or PyTorch wrote (see the module's docstring).
+
+    Raises:
+        ValueError: ``state_dict`` is not a dict, or its ``"averager"`` entry is not one.
+    """
+    if not isinstance(state_dict, Mapping):
+        raise ValueError(f"an optimizer state_dict must be a dict, got {type(state_dict).__name__}")
+    inner = dict(state_dict)
+    top_step = inner.pop("step", None)
+    inner.pop("iteration", None)  # PostLocalSGD's copy of the step in older checkpoints
+    averager = inner.pop("averager", None) or {}
+    if not isinstance(averager, Mapping):
+        raise ValueError(f"state_dict['averager'] must be a dict, got {type(averager).__name__}")
+    averager = dict(averager)
+    missing = top_step is None and "step" not in averager
+    if top_step is not None:
+        averager["step"] = top_step
+    elif missing:
+        averager["step"] = 0
+    return WrapperState(inner, averager, missing)
+
+
+def non_finite_error(where: str, tensors) -> Optional[ValueError]:
+    """A ``ValueError`` naming the first floating-point tensor of ``tensors`` (a list or dict)
+    that holds NaN/Inf, or None."""
+    items = tensors.items() if isinstance(tensors, Mapping) else enumerate(tensors)
+    for key, value in items:
+        if isinstance(value, torch.Tensor) and value.is_floating_point() \
+                and not bool(torch.isfinite(value).all()):
+            bad = int((~torch.isfinite(value)).sum())
+            return ValueError(f"{where}[{key!r}] (shape {tuple(value.shape)}) holds {bad} NaN/Inf "
+                              "value(s): the checkpoint is damaged or was saved after a diverged step")
+    return None
+
+
+def step_error(step: Any) -> Optional[ValueError]:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        return ValueError(f"state_dict['step'] must be an integer >= 0, got {step!r}")
+    return None
+
+
+def optimizer_state_error(optimizer: torch.optim.Optimizer, state: Mapping,
+                          where: str = "the optimizer state") -> Optional[ValueError]:
+    """What ``optimizer.load_state_dict(state)`` would reject (group and parameter counts), or a
+    NaN/Inf in its tensors; None when it fits."""
+    groups = state.get("param_groups") if isinstance(state, Mapping) else None
+    if not isinstance(groups, list) or not isinstance(state.get("state"), Mapping):
+        return ValueError(f"{where} needs 'state' and 'param_groups' (an optimizer's state_dict())")
+    own = optimizer.param_groups
+    if len(groups) != len(own):
+        return ValueError(f"{where} has {len(groups)} parameter group(s), the optimizer has "
+                          f"{len(own)}")
+    for index, (saved, group) in enumerate(zip(groups, own)):
+        count = len(saved.get("params", ())) if isinstance(saved, Mapping) else -1
+        if count != len(group["params"]):
+            return ValueError(f"{where}: parameter group #{index} has {count} parameters, the "
+                              f"optimizer's has {len(group['params'])}")
+    for key, per_param in state["state"].items():
+        if isinstance(per_param, Mapping):
+            error = non_finite_error(f"{where}['state'][{key!r}]", per_param)
+            if error is not None:
+                return error
+    return None
+
+
+def averager_state_error(state: Mapping, delays: Mapping[int, int],
+                         levels_with_state: set) -> Optional[ValueError]:
+    """What an averager's :meth:`load_state_dict` would reject: the step, a round in flight that
+    does not fit ``delays`` at that step, NaN/Inf in its snapshot or in a wire residual."""
+    if not isinstance(state, Mapping):
+        return ValueError(f"an averager state must be a dict, got {type(state).__name__}")
+    step = state.get("step")
+    error = step_error(step)
+    if error is not None:
+        return error
+    in_flight = state.get("in_flight") or {}
+    if not isinstance(in_flight, Mapping):
+        return ValueError(f"state_dict['in_flight'] must be a dict, got {type(in_flight).__name__}")
+    for level, saved in in_flight.items():
+        delay = delays.get(level, 0)
+        fired_at = saved.get("fired_at") if isinstance(saved, Mapping) else None
+        if not delay or not isinstance(fired_at, int) or not fired_at < step <= fired_at + delay:
+            return ValueError(
+                f"state_dict['in_flight'][{level!r}] (fired at {fired_at!r}) does not fit this "
+                f"averager at step {step} (delays per level {dict(delays)})")
+        error = non_finite_error(f"state_dict['in_flight'][{level!r}]['snapshots']",
+                                 list(saved.get("snapshots") or []))
+        if error is not None:
+            return error
+    wire = state.get("wire") or {}
+    if not isinstance(wire, Mapping):
+        return ValueError(f"state_dict['wire'] must be a dict, got {type(wire).__name__}")
+    for level, kept in wire.items():
+        residuals = kept.get("residuals", {}) if isinstance(kept, Mapping) else None
+        if not isinstance(residuals, Mapping):
+            return ValueError(f"state_dict['wire'][{level!r}] must be a dict of residuals")
+        if level not in levels_with_state:
+            continue  # saved with error feedback, loaded without: the config warning says so
+        error = non_finite_error(f"state_dict['wire'][{level!r}]['residuals']", residuals)
+        if error is not None:
+            return error
+    return None
+
+
+def tensors_error(where: str, saved: Any, own: list[torch.Tensor]) -> Optional[ValueError]:
+    """``saved`` must be a list of finite tensors shaped like ``own``."""
+    if not isinstance(saved, (list, tuple)) or not all(isinstance(s, torch.Tensor) for s in saved):
+        return ValueError(f"{where} must be a list of tensors, got {type(saved).__name__}")
+    if len(saved) != len(own) or any(tuple(s.shape) != tuple(o.shape) for s, o in zip(saved, own)):
+        return ValueError(f"{where} has {len(saved)} tensors of shapes "
+                          f"{[tuple(s.shape) for s in saved][:4]}..., the model has {len(own)} of "
+                          f"shapes {[tuple(o.shape) for o in own][:4]}...")
+    return non_finite_error(where, list(saved))
+
