@@ -41,7 +41,7 @@ system-packages:
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; status=$$?; \
 	  [ -z "$$made" ] || $$SUDO rm -f $$policy; exit $$status; fi
 
-$(VENV)/.installed: setup.cfg pyproject.toml tools/build_horovod.sh Makefile
+$(VENV)/.installed: setup.cfg pyproject.toml tools/build_horovod.sh tools/patch_horovod_rendezvous.py Makefile
 	@command -v mpirun >/dev/null || { \
 	  echo "installing OpenMPI from Debian packages"; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \

@@ -14,12 +14,11 @@ import horovod.torch as hvd
 import torch
 
 from .deadlines import bounded_collective
+from .gather_text import allgather_text
 from .process_sets import members
 
 __all__ = ["config_digest", "tensor_digest", "check_same_on_all_ranks"]
 
-# Bytes of each failing rank's error text that travel to the others (a uint8 tensor, no pickle).
-_CAUSE_BYTES = 240
 
 
 def config_digest(config) -> int:
@@ -39,19 +38,15 @@ def tensor_digest(tensors) -> int:
     return int.from_bytes(hasher.digest()[:8], "little") & ((1 << 63) - 1)
 
 
-def _causes(local_error: Optional[BaseException], ranks: list[int], failed: list[int],
-            process_set: hvd.ProcessSet, name: str, collective) -> str:
-    """Every failing rank's error, gathered as fixed-size UTF-8 text (one more allgather, made
-    only when some rank failed, so every rank makes it)."""
+def _causes(local_error: Optional[BaseException], failed: list[int],
+            process_set: hvd.ProcessSet, name: str) -> str:
+    """Every failing rank's error (one more allgather, made only when some rank failed, so by
+    every rank); the text travels as bytes, not as a pickle."""
     text = f"{type(local_error).__name__}: {local_error}" if local_error is not None else ""
-    raw = text.encode("utf-8", "replace")[:_CAUSE_BYTES]
-    buffer = torch.zeros(1, _CAUSE_BYTES, dtype=torch.uint8)
-    buffer[0, :len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
-    handle = hvd.allgather_async(buffer, name=f"{name}.causes", process_set=process_set)
-    rows = collective.wait([handle])[0]
-    said = {r: bytes(rows[i].tolist()).rstrip(b"\0").decode("utf-8", "replace")
-            for i, r in enumerate(ranks) if r in failed}
-    return "; ".join(f"rank {r}: {cause}" for r, cause in said.items())
+    said = allgather_text(text, name=f"{name}.causes", what="the failing ranks' errors",
+                          process_set=process_set)
+    return "; ".join(f"rank {r}: {cause}" for r, cause in zip(members(process_set), said)
+                     if r in failed)
 
 
 def check_same_on_all_ranks(
@@ -81,8 +76,8 @@ def check_same_on_all_ranks(
         handle = hvd.allgather_async(
             torch.tensor([digest], dtype=torch.int64), name=name, process_set=process_set)
         gathered = collective.wait([handle])[0].tolist()
-        failed = [r for r, d in zip(ranks, gathered) if d == -1]
-        causes = _causes(local_error, ranks, failed, process_set, name, collective) if failed else ""
+    failed = [r for r, d in zip(ranks, gathered) if d == -1]
+    causes = _causes(local_error, failed, process_set, name) if failed else ""
     if local_error is not None:
         raise local_error
     if failed:

@@ -1,13 +1,16 @@
-"""One rank's tensors to every member of a set: a bounded broadcast of flat per-dtype buffers.
+"""One rank's tensors or state to every rank, bounded: flat per-dtype buffers, and state dicts
+as ``torch.save`` bytes read back with ``torch.load(weights_only=True)`` (data, never code).
 
 What DiLoCo's starting point needs (every rank starts from the same weights, as PyTorch's DDP
 and torchft do): the set's lowest rank's values, bit for bit, in place. The layout is agreed on
-first, so ranks with different models raise instead of broadcasting unrelated bytes.
+first, so ranks with different models raise instead of broadcasting unrelated bytes. Elastic
+jobs hand rank 0's optimizer states to joining workers the second way.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import io
+from typing import Any, Optional
 
 import horovod.torch as hvd
 import torch
@@ -17,7 +20,7 @@ from .deadlines import bounded_collective
 from .flat_storage import pack
 from .process_sets import members
 
-__all__ = ["broadcast_from_first_member"]
+__all__ = ["broadcast_from_first_member", "broadcast_state"]
 
 
 def broadcast_from_first_member(tensors: list[torch.Tensor],
@@ -52,3 +55,25 @@ def broadcast_from_first_member(tensors: list[torch.Tensor],
         collective.wait(handles)
     for slab in packing.slabs:
         slab.copy_out()
+
+
+def broadcast_state(state: Any, *, what: str, name: str) -> Any:
+    """Rank 0's ``state`` (tensors, numbers, strings, lists and dicts of them: an optimizer's
+    ``state_dict()``) on every rank (collective over all ranks; bounded). It travels as
+    ``torch.save`` bytes and is read with ``torch.load(weights_only=True)``, which rebuilds data
+    only: a rank cannot make another run code, as an unpickled object could."""
+    raw = None
+    if hvd.rank() == 0:
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        raw = buffer.getvalue()
+    length = torch.tensor([len(raw) if raw is not None else 0], dtype=torch.int64)
+    with bounded_collective(f"{what} (size)") as collective:
+        collective.wait([hvd.broadcast_async_(length, root_rank=0, name=f"{name}.size")])
+    payload = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw is not None else \
+        torch.empty(int(length.item()), dtype=torch.uint8)
+    with bounded_collective(what, int(length.item())) as collective:
+        collective.wait([hvd.broadcast_async_(payload, root_rank=0, name=f"{name}.bytes")])
+    if hvd.rank() == 0:
+        return state
+    return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)

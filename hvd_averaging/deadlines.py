@@ -33,6 +33,8 @@ __all__ = [
     "exit_after_timeout",
     "bounded_collective",
     "guarded_enqueue",
+    "blocking_call",
+    "check_environment",
 ]
 
 DEFAULT_TIMEOUT_SECONDS = 45.0
@@ -51,9 +53,11 @@ def _seconds_from_env(variable: str, default: float) -> float:
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"{variable}={raw!r} is not a number of seconds") from None
+        raise ValueError(f"{variable}={raw!r} is not a number of seconds (a positive finite "
+                         "number" + (", or 'never'" if variable == "HVA_EXIT_AFTER_TIMEOUT_SECONDS"
+                                      else "") + ")") from None
     if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"{variable}={raw!r} must be a positive number of seconds")
+        raise ValueError(f"{variable}={raw!r} must be a positive finite number of seconds")
     return value
 
 
@@ -77,7 +81,10 @@ def _stuck_grace(limit: float) -> float:
 
 
 def _whoami() -> str:
-    return f"rank {hvd.rank()} (pid {os.getpid()}, host {socket.gethostname()})"
+    # before Horovod starts (the placement split), the launcher's rank
+    rank = hvd.rank() if hvd.is_initialized() else os.environ.get(
+        "OMPI_COMM_WORLD_RANK", os.environ.get("HOROVOD_RANK", "?"))
+    return f"rank {rank} (pid {os.getpid()}, host {socket.gethostname()})"
 
 
 def _stuck_message(what: str, stuck_after: float, limit: float) -> str:
@@ -279,6 +286,26 @@ def guarded_enqueue(what: str):
     process-set lock during dynamic-set coordination); :func:`bounded_collective` with
     ``started_at`` bounds the wait."""
     return DEADLINES.guarded_enqueue(what)
+
+
+def blocking_call(what: str):
+    """Bound a Horovod or MPI call that blocks where polling cannot reach (registering a process
+    set, an MPI communicator split, a barrier): the watchdog ends this process, naming ``what``,
+    if the call has not returned ``hva.timeout()`` plus a grace (a quarter of it, at least 2 s)
+    later. A context manager."""
+    return DEADLINES.guarded_enqueue(what)
+
+
+def check_environment() -> None:
+    """Parse every ``HVA_*`` setting now (``hva.init`` and every new world call it), so that a
+    malformed value fails at start-up instead of turning a later ``AveragingTimeoutError`` into
+    a ``ValueError``.
+
+    Raises:
+        ValueError: names the variable, its value and the rule.
+    """
+    DEADLINES.timeout()
+    DEADLINES.exit_after_timeout()
 
 
 def bounded_collective(what: str, nbytes: int = 0, started_at: Optional[float] = None):

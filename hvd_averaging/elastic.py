@@ -42,6 +42,8 @@ import horovod.torch as hvd
 import torch
 
 from .averagers import ModelAverager
+from .broadcast import broadcast_from_first_member, broadcast_state
+from .deadlines import bounded_collective
 from .outer import DiLoCo
 from .world import renew_world
 
@@ -67,7 +69,10 @@ class AveragerStateHandler(StateHandler):
         :class:`~hvd_averaging.world.World` begins (the averager makes its process sets for it
         at its next firing step, even when the world kept its size); then take rank 0's step."""
         renew_world()
-        self.value.step = hvd.broadcast_object(self.value.step, root_rank=0, name="hva.elastic.step")
+        step = torch.tensor([self.value.step], dtype=torch.int64)
+        with bounded_collective("the averager's step from rank 0 (elastic sync)") as collective:
+            collective.wait([hvd.broadcast_async_(step, root_rank=0, name="hva.elastic.step")])
+        self.value.step = int(step.item())
         self._saved_step = self.value.step
 
 
@@ -103,17 +108,20 @@ class DiLoCoStateHandler(StateHandler):
 
     def sync(self) -> None:
         """Collective: the averager's world and step, then rank 0's optimizer states and global
-        copy. The states travel whole (``broadcast_object``): Horovod's
+        copy, each bounded by ``hva.timeout()``. The states travel whole, as data
+        (:func:`~hvd_averaging.broadcast.broadcast_state`): Horovod's
         ``broadcast_optimizer_state`` would first make a missing state by a step with zero
         gradients, which moves parameters under weight decay."""
         self._averager.sync()
         for index, optimizer in enumerate((self.value.optim, self.value.outer_optimizer)):
-            state = hvd.broadcast_object(optimizer.state_dict() if hvd.rank() == 0 else None,
-                                         root_rank=0, name=f"hva.elastic.diloco.optimizer{index}")
+            state = broadcast_state(optimizer.state_dict() if hvd.rank() == 0 else None,
+                                    what=f"DiLoCo optimizer {index}'s state from rank 0 (elastic sync)",
+                                    name=f"hva.elastic.diloco.optimizer{index}")
             if hvd.rank() != 0:
                 optimizer.load_state_dict(state)
-        hvd.broadcast_parameters([(f"hva.elastic.diloco.global.{index}", global_) for index, global_
-                                  in enumerate(self.value.global_parameters)], root_rank=0)
+        broadcast_from_first_member(self.value.global_parameters,
+                                    what="DiLoCo's global copy from rank 0 (elastic sync)",
+                                    name="hva.elastic.diloco.global")
         self.save()
 
 

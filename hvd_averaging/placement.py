@@ -13,6 +13,8 @@ from typing import Hashable, Optional
 
 import horovod.torch as hvd
 
+from .deadlines import blocking_call
+from .gather_text import allgather_text
 from .world import current_world
 
 __all__ = ["mpi_placement", "this_host", "rank_to_node", "known_rank_to_node"]
@@ -22,12 +24,13 @@ def mpi_placement(comm) -> list[Hashable]:
     """Node of every rank of ``comm``, each node named by its lowest rank (collective on ``comm``)."""
     from mpi4py import MPI
 
-    node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-    try:
-        node_leader = node_comm.allreduce(comm.Get_rank(), op=MPI.MIN)
-    finally:
-        node_comm.Free()
-    return list(comm.allgather(node_leader))
+    with blocking_call("the node placement (MPI shared-memory split and allgather)"):
+        node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+        try:
+            node_leader = node_comm.allreduce(comm.Get_rank(), op=MPI.MIN)
+        finally:
+            node_comm.Free()
+        return list(comm.allgather(node_leader))
 
 
 def this_host() -> str:
@@ -54,6 +57,7 @@ def rank_to_node() -> list[Hashable]:
 
         nodes = mpi_placement(world.mpi_comm if world.mpi_comm is not None else MPI.COMM_WORLD)
     else:
-        nodes = list(hvd.allgather_object(this_host(), name="hva.rank_to_node"))
+        nodes = allgather_text(this_host(), name="hva.rank_to_node",
+                               what="the node placement (host names of every rank)")
     world.learn_placement(nodes)
     return list(nodes)

@@ -13,6 +13,7 @@ from typing import Iterable, Optional
 import horovod.torch as hvd
 from horovod.torch.mpi_ops import _basics
 
+from .deadlines import blocking_call
 from .placement import rank_to_node
 from .topology import group_of, level_groups
 from .world import current_world
@@ -25,7 +26,12 @@ __all__ = [
     "dynamic_process_sets_enabled",
     "registered_process_sets",
     "ProcessSetRegistry",
+    "ProcessSetNotRegistered",
 ]
+
+
+class ProcessSetNotRegistered(RuntimeError):
+    """A set that is not registered, where Horovod runs without dynamic process sets."""
 
 
 def dynamic_process_sets_enabled() -> bool:
@@ -60,12 +66,14 @@ class ProcessSetRegistry:
                 self._by_ranks[key] = found
                 return found
         if not dynamic_process_sets_enabled():
-            raise RuntimeError(
+            raise ProcessSetNotRegistered(
                 f"process set for ranks {list(key)} is not registered and Horovod was initialized "
                 "without dynamic process sets. Register its level at start-up (hva.init("
                 f"group_sizes=[..., {len(key)}]) or hvd.init(process_sets=[hvd.ProcessSet({list(key)}), "
                 "...])), or call hva.init() without group_sizes (dynamic process sets)")
-        created = self._by_ranks[key] = hvd.add_process_set(list(key))
+        # collective and blocking inside Horovod (no handle to poll): the watchdog bounds it
+        with blocking_call(f"registering process set {list(key)} (hvd.add_process_set)"):
+            created = self._by_ranks[key] = hvd.add_process_set(list(key))
         return created
 
 

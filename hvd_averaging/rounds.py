@@ -23,6 +23,7 @@ layout add no collective. (A list that changes on some ranks only is caught by t
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Optional
@@ -59,6 +60,13 @@ class RoundBook:
         self.reused: dict[str, dict] = {}  # per name, for tensors copied through (gradients)
         self.agreed_layouts: dict[tuple, tuple] = {}  # (set id, name) -> (layout digest, wire) agreed
         self.codecs: dict[str, WireCodec] = {}  # per public spelling: stateless, shared
+        self.agreed_lists: dict[tuple, list] = {}  # (set id, name) -> the tensors agreed on (weak)
+
+    def agreed_on(self, key: tuple, tensors: list[torch.Tensor]) -> bool:
+        """Whether exactly these tensor objects were agreed on last under ``key``."""
+        refs = self.agreed_lists.get(key)
+        return refs is not None and len(refs) == len(tensors) and \
+            all(ref() is t for ref, t in zip(refs, tensors))
 
     def codec(self, compression) -> WireCodec:
         """The codec of a public ``compression=`` spelling, made once per world, so that the
@@ -169,9 +177,11 @@ def begin_round(tensors: list[torch.Tensor], process_set: Optional[hvd.ProcessSe
     agreed_key = (set_id, name)
     # the wire format too: ranks that pass different compression= are told, not left waiting
     layout = (packing.layout_digest, repr(codec.spec())) if packing is not None else None
-    # A list packed anew with the layout agreed before (re-bound on some ranks only, e.g. after
-    # a timeout moved its tensors out) needs no check: a collective some ranks skip would hang.
+    # A list not agreed on before is checked; the same tensors packed anew with the same layout
+    # (re-bound on some ranks only, e.g. after a timeout moved them out) are not: a collective
+    # that some ranks skip would hang.
     if (local_error is not None or check_finite
+            or (bind and not book.agreed_on(agreed_key, tensors))
             or book.agreed_layouts.get(agreed_key) != layout):
         dtypes = sorted({str(t.dtype).replace("torch.", "") for t in tensors})
         check_same_on_all_ranks(
@@ -183,6 +193,8 @@ def begin_round(tensors: list[torch.Tensor], process_set: Optional[hvd.ProcessSe
             summary=f"{len(tensors)} tensors ({sum(t.numel() for t in tensors)} elements, dtypes "
                     f"{dtypes}) in wire format {codec.spec()!r}")
         book.agreed_layouts[agreed_key] = layout
+        if bind:
+            book.agreed_lists[agreed_key] = [weakref.ref(t) for t in tensors]
     if not tensors or len(set_ranks) == 1:
         return None
     return Round(packing, process_set, set_ranks, name, what, codec, node_aware)

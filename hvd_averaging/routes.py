@@ -16,7 +16,7 @@ from typing import NamedTuple, Optional
 import horovod.torch as hvd
 
 from .placement import known_rank_to_node, rank_to_node
-from .process_sets import members, register_groups
+from .process_sets import ProcessSetNotRegistered, members, register_groups
 from .startup import elastic_job
 from .topology import node_aware_groups
 from .transports import Transport
@@ -77,7 +77,7 @@ class Routes:
             try:
                 node_set = register_groups(process_set, groups.nodes)
                 rail_set = register_groups(process_set, groups.rails)
-            except RuntimeError:  # not registered, and no dynamic process sets: same on every rank
+            except ProcessSetNotRegistered:  # no dynamic process sets: same on every rank
                 node_set = rail_set = None
             if node_set is not None and rail_set is not None:
                 staged = NodeAwareSets(node_set, rail_set, len(groups.nodes[0]), len(groups.nodes))

@@ -13,6 +13,7 @@ from typing import Hashable, Optional, Sequence
 
 import horovod.torch as hvd
 
+from .deadlines import check_environment
 from .placement import mpi_placement, rank_to_node, this_host
 from .topology import static_groups
 from .world import start_world
@@ -80,8 +81,9 @@ def init(comm=None, *, group_sizes: Optional[Sequence[int]] = None) -> None:
     averagers can still use sets registered at ``hvd.init(process_sets=[...])``.
 
     Raises:
-        ValueError: ``group_sizes`` is not a list of positive integers, or a size does not fit
-            the placement (raised on every rank, before Horovod starts).
+        ValueError: ``group_sizes`` is not a list of positive integers, a size does not fit the
+            placement, or an ``HVA_*`` environment variable is malformed (raised on every rank,
+            before Horovod starts).
 
     Example::
 
@@ -89,6 +91,7 @@ def init(comm=None, *, group_sizes: Optional[Sequence[int]] = None) -> None:
         >>> hva.init(group_sizes=[2])            # pairs registered at start-up
         >>> averager = hva.HierarchicalModelAverager({2: 2, 8: hvd.size()}, warmup_steps=0)
     """
+    check_environment()  # before Horovod starts: same outcome on every rank
     if hvd.is_initialized():
         if group_sizes is not None:
             warnings.warn("hva.init(group_sizes=...) after Horovod was initialized does nothing: "

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -46,6 +47,7 @@ class Watchdog:
         self._process: Optional[subprocess.Popen] = None
         self._pipe: Optional[int] = None
         self._owner_pid: Optional[int] = None
+        self._warned = False  # said once that the helper could not start
 
     def _ensure_started(self) -> bool:
         if self._process is not None and self._owner_pid == os.getpid() \
@@ -59,9 +61,16 @@ class Watchdog:
                 pass_fds=(read_end,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                 close_fds=True,
                 start_new_session=True)
-        except OSError:
+        except OSError as error:
             os.close(write_end)
             self._process = None
+            if not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"hvd_averaging: the watchdog process could not start ({error}): waits blocked "
+                    "inside Horovod (set-up calls, a stuck collective) are not bounded in this "
+                    "process; polled rounds still raise AveragingTimeoutError", RuntimeWarning,
+                    stacklevel=4)
             return False
         finally:
             os.close(read_end)

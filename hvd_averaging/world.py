@@ -17,6 +17,8 @@ from typing import Callable, Hashable, Optional, TypeVar
 
 import horovod.torch as hvd
 
+from .deadlines import check_environment
+
 __all__ = ["World", "WorldFollower", "current_world", "start_world", "renew_world"]
 
 T = TypeVar("T")
@@ -75,6 +77,7 @@ def start_world(mpi_comm=None, placement: Optional[list[Hashable]] = None) -> Wo
     """A new world right after ``hvd.init`` (``hva.init`` calls it)."""
     global _current
     _require_initialized()
+    check_environment()  # a malformed HVA_* setting fails here, not in a later timeout
     previous = _current
     _current = World(previous.generation + 1 if previous else 1, mpi_comm, placement,
                      previous._carried() if previous else None)

@@ -4,8 +4,10 @@
 # Why a script: Horovod 0.28.1 is the last release and its CMake pins C++14, while torch >= 2.1
 # headers need C++17 (fixed upstream in horovod PR #3998, never released). We patch the
 # standard in the unpacked sdist (and need CMake < 4: its bundled gloo asks for CMake < 3.5 compatibility) and build without isolation so the build sees the installed
-# torch. The wheel is cached, keyed by Horovod, torch, Python and GPU operations, so a second
-# `make install`, CI and the Docker images reuse it. The Makefile and both Dockerfiles call this.
+# torch. We also close its elastic rendezvous hole (CVE-2024-10190, unfixed upstream; see
+# tools/patch_horovod_rendezvous.py and docs/security.md). The wheel is cached, keyed by Horovod,
+# torch, Python, GPU operations and the patch's revision, so a second `make install`, CI and the
+# Docker images reuse it. The Makefile and both Dockerfiles call this.
 #
 # Environment:
 #   PYTHON                  interpreter of the target environment (default: python3)
@@ -22,7 +24,9 @@ GPU_OPS=${HOROVOD_GPU_OPERATIONS:-}
 torch_version=$("$PYTHON" -c 'import torch; print(torch.__version__)')
 py_tag=$("$PYTHON" -c 'import sys; print("py%d%d" % sys.version_info[:2])')
 variant=${GPU_OPS:-cpu}
-key="horovod-${HOROVOD_VERSION}-torch${torch_version//+/_}-${py_tag}-${variant,,}"
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+patch_revision=$("$PYTHON" "$here/patch_horovod_rendezvous.py" --revision)
+key="horovod-${HOROVOD_VERSION}-torch${torch_version//+/_}-${py_tag}-${variant,,}-${patch_revision}"
 wheel_dir="$HVD_CACHE/wheels/$key"
 
 installed=$("$PYTHON" - <<PY 2>/dev/null || true
@@ -51,6 +55,7 @@ if ! compgen -G "$wheel_dir/horovod-*.whl" >/dev/null; then
         "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"
     grep -q 'CMAKE_CXX_STANDARD 17' "$src/CMakeLists.txt"
     grep -q 'CMAKE_CXX_STANDARD 17' "$src/horovod/torch/CMakeLists.txt"
+    "$PYTHON" "$here/patch_horovod_rendezvous.py" "$src"
     export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1
     export HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1
     export MAKEFLAGS="${MAKEFLAGS:--j$(nproc)}"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import subprocess
@@ -18,6 +19,7 @@ import time
 from pathlib import Path
 
 import cluster_tests
+import security_tests
 import slurm_tests
 from rank_output import EVERY_TEST_RUNS_FROM_RANKS, rank_summaries, suite_passed, test_launch_env
 from stage_log import StageLog
@@ -167,6 +169,61 @@ def run_elastic_shrink(timeout_s: int) -> bool:
     return ok
 
 
+RECIPE_WRAPPERS = ("PostLocalSGDOptimizer", "PostLocalSGD", "DiLoCo")
+
+
+def recipe_problems(out: Path, ranks: int) -> list[str]:
+    """What the per-rank verdicts of tests/recipes/horovod_mnist_recipe.py must show, phase by
+    phase: the averager counted exactly the training steps (across the resume too), the LR
+    scheduler on the wrapper drove the inner optimizer's lr, and every rank ended bit-identical."""
+    problems = []
+    for kind in RECIPE_WRAPPERS:
+        for phase in ("first", "resume"):
+            for rank in range(ranks):
+                path = out / f"{kind}.{phase}.rank{rank}.json"
+                if not path.exists():
+                    problems.append(f"{path.name} missing")
+                    continue
+                v = json.loads(path.read_text())
+                expected_steps = v["steps_per_epoch"] * v["epochs_done"]
+                if not v["averager_step"] == v["state_dict_step"] == expected_steps:
+                    problems.append(f"{path.name}: averager step {v['averager_step']} (state_dict "
+                                    f"{v['state_dict_step']}), {expected_steps} training steps")
+                if not math.isclose(v["inner_lr"], v["expected_lr"], rel_tol=1e-9):
+                    problems.append(f"{path.name}: inner lr {v['inner_lr']}, the scheduler's "
+                                    f"{v['expected_lr']}")
+                if v["ranks_equal"] is not True:
+                    problems.append(f"{path.name}: ranks differ after the last all-rank average")
+    return problems
+
+
+def run_horovod_recipe(timeout_s: int) -> bool:
+    """Horovod's pytorch_mnist recipe on each wrapper, then its resume in a second launch."""
+    import tempfile
+    label = "Horovod's recipe on the wrappers: mpi np=4, train, then resume"
+    print(f"\n=== {label}", flush=True)
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory() as out:
+        outputs, codes = [], []
+        for phase in ("first", "resume"):
+            cmd = [str(BIN / "horovodrun"), "-np", "4", "-H", "localhost:4", str(BIN / "python"),
+                   "tests/recipes/horovod_mnist_recipe.py", "--phase", phase, "--out", out]
+            output, rc = launch(cmd, test_launch_env(), timeout_s)
+            outputs.append(output)
+            codes.append(rc)
+            if rc != 0:
+                break
+        problems = [f"launch exit codes {codes}"] if any(c != 0 for c in codes) else \
+            recipe_problems(Path(out), 4)
+    ok = not problems
+    for problem in problems:
+        print(f"    {problem}", flush=True)
+    if not ok:
+        print("\n".join(outputs)[-20000:], flush=True)
+    print(f"=== {'ok' if ok else 'FAILED'}: {label} ({time.monotonic() - start:.0f} s)", flush=True)
+    return ok
+
+
 def check_race_results(summary: dict, written: list[str]) -> list[str]:
     """What the race's fast mode must show; returns the problems found."""
     problems = []
@@ -271,10 +328,12 @@ def main() -> int:
             log.run(f"rank death {controller} np={np} step {die_at}",
                     lambda: run_rank_death(controller, np, die_at))
         log.run("elastic gloo 4 -> 3", lambda: run_elastic_shrink(args.timeout))
+        log.run("Horovod recipe, resume", lambda: run_horovod_recipe(args.timeout))
         log.run("entrypoint --check", lambda: run_entrypoint_check(args.timeout))
         log.run("demo fast mode", lambda: run_demo_fast(args.timeout))
     if not args.multiprocess_only:
         cluster_tests.run_all(BIN, args.timeout, log)
+        security_tests.run_all(BIN, args.timeout, log)
     if not (args.cluster_only or args.multiprocess_only):
         slurm_tests.run_all(BIN, args.timeout, log)
     if not (args.cluster_only or args.multiprocess_only or args.no_docker):

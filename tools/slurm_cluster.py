@@ -72,7 +72,7 @@ def slurm_conf(cluster: Cluster, folder: Path, cpus: int, slurmd_timeout_s: int)
         "ClusterName=hva",
         f"SlurmctldHost={cluster.nodes[0]}({cluster.addresses[0]})",
         "AuthType=auth/munge", "CredType=cred/munge",
-        f"AuthInfo=socket={folder}/munge.socket",
+        f"AuthInfo=socket={folder}/munge/munge.socket",
         "SlurmUser=root", "SlurmdUser=root",
         f"StateSaveLocation={folder}/ctld",
         f"SlurmdSpoolDir={folder}/spool/%n",
@@ -136,19 +136,25 @@ class SlurmCluster(StartedOrClosed):
     def _start(self) -> None:
         for sub in ("ctld", "spool"):
             (self.folder / sub).mkdir(parents=True, exist_ok=True)
-        key = self.folder / "munge.key"
-        key.write_bytes(os.urandom(1024))  # this run's key, never stored anywhere else
-        key.chmod(0o400)
+        # this run's key, never stored anywhere else: made 0400 in a 0700 folder, with O_EXCL
+        # (no one else's file is reused), so munged accepts it without --force
+        munge = self.folder / "munge"
+        munge.mkdir(mode=0o700)
+        munge.chmod(0o700)
+        key = munge / "munge.key"
+        descriptor = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
+        with os.fdopen(descriptor, "wb") as out:
+            out.write(os.urandom(1024))
         self.conf.write_text(slurm_conf(self.cluster, self.folder, self.cpus_per_node,
                                         self.slurmd_timeout_s))
         (self.folder / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\nCgroupAutomount=no\n")
         (self.folder / "mpi.conf").write_text(f"PMIxCliTmpDirBase={self.folder}/node-tmp\n")
         (self.folder / "node-tmp").mkdir(exist_ok=True)
-        socket = self.folder / "munge.socket"
-        self._daemon(0, [_which("munged"), "--foreground", "--force", f"--key-file={key}",
-                         f"--socket={socket}", f"--pid-file={self.folder}/munged.pid",
-                         f"--log-file={self.folder}/munged.log",
-                         f"--seed-file={self.folder}/munged.seed"], "munged.out")
+        socket = munge / "munge.socket"
+        self._daemon(0, [_which("munged"), "--foreground", f"--key-file={key}",
+                         f"--socket={socket}", f"--pid-file={munge}/munged.pid",
+                         f"--log-file={munge}/munged.log",
+                         f"--seed-file={munge}/munged.seed"], "munged.out")
         self._wait(lambda: socket.exists(), 20, "munged's socket")
         self._daemon(0, [_which("slurmctld"), "-D", "-i", "-f", str(self.conf)], "slurmctld.out")
         for index in range(1, len(self.cluster.nodes)):

@@ -26,6 +26,10 @@ import horovod.torch as hvd
 import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
+from hvd_averaging.gather_text import broadcast_text
+
+from hvd_averaging.examples.collectives import agreed_max, allgather_rows, allreduce, barrier
+
 __all__ = ["TrainingClock", "Snapshot", "Trainer", "RaceLimits", "run_method", "grid_times",
            "stop_at_sync_point",
            "pick_on_grid", "evaluate_snapshots", "time_to_reach", "interface_tx_bytes",
@@ -136,11 +140,6 @@ def interface_tx_bytes(interface: str) -> Optional[int]:
     return None
 
 
-def _agreed_max(value: float, name: str) -> float:
-    return float(hvd.allreduce(torch.tensor([value], dtype=torch.float64), op=hvd.Max,
-                               name=name).item())
-
-
 def stop_at_sync_point(clock_s: float, steps: int, last_sync: Optional[tuple[float, int]],
                        steps_ahead: int, budget_s: float) -> bool:
     """Whether to stop at this synchronization point (``clock_s`` after ``steps`` steps): the
@@ -178,7 +177,7 @@ def run_method(trainer: Trainer, batches: Iterator, limits: RaceLimits, *,
 
     grid = grid_times(limits.budget_s, limits.grid_points) if limits.steps is None else None
     run = MethodRun()
-    hvd.barrier()
+    barrier(f"{name}: start together")
     clock = TrainingClock()
     with clock.paused():
         run.snapshots.append(snapshot(0.0, 0))
@@ -210,7 +209,7 @@ def run_method(trainer: Trainer, batches: Iterator, limits: RaceLimits, *,
             if run.steps >= limits.steps:
                 break
         elif trainer.sync_point(run.steps):
-            agreed = _agreed_max(now, f"{name}.clock.{run.steps}")
+            agreed = agreed_max(now, f"{name}.clock.{run.steps}")
             ahead = next(k for k in range(1, 1_000_000) if trainer.sync_point(run.steps + k))
             stop = stop_at_sync_point(agreed, run.steps, last_sync, ahead, limits.budget_s)
             last_sync = (agreed, run.steps)
@@ -224,15 +223,16 @@ def run_method(trainer: Trainer, batches: Iterator, limits: RaceLimits, *,
 def shared_folder(folder: Path) -> bool:
     """Whether every rank sees ``folder`` (one host or a shared file system): rank 0 writes a
     token there and every rank looks for it. Collective."""
-    token = hvd.broadcast_object(uuid.uuid4().hex if hvd.rank() == 0 else None, root_rank=0,
-                                 name="race.shared.token")
+    token = broadcast_text(uuid.uuid4().hex if hvd.rank() == 0 else None, 0,
+                           name="race.shared.token", what="the shared-folder token")
     if hvd.rank() == 0:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f".token-{token}").write_text("")
-    hvd.barrier()
+    barrier("the shared-folder token written")
     seen = (folder / f".token-{token}").exists()
-    everyone = all(hvd.allgather_object(seen, name="race.shared.seen"))
-    hvd.barrier()
+    everyone = all(row[0] == 1.0 for row in allgather_rows(
+        [float(seen)], "race.shared.seen", "whether every rank sees the shared folder"))
+    barrier("the shared-folder token read")
     if hvd.rank() == 0:
         (folder / f".token-{token}").unlink()
     return everyone
@@ -246,18 +246,19 @@ def evaluate_snapshots(points: Sequence[Snapshot], model: torch.nn.Module,
     are the slowest rank's."""
     stacked = torch.stack([p.params for p in points])
     meta = torch.tensor([[p.seconds, p.step, p.link_bytes] for p in points], dtype=torch.float64)
-    meta = hvd.allreduce(meta, op=hvd.Max, name=f"{name}.meta")
+    meta = allreduce(meta, hvd.Max, f"{name}.meta", "the snapshots' times, steps and bytes")
     if folder is not None:
         folder.mkdir(parents=True, exist_ok=True)
         torch.save(stacked, folder / f"rank{hvd.rank()}.pt")
-        hvd.barrier()
+        barrier(f"{name}: snapshots saved")
         averaged = None
         if hvd.rank() == 0:
-            averaged = sum(torch.load(folder / f"rank{r}.pt", weights_only=True) for r in range(hvd.size())) / hvd.size()
-        hvd.barrier()
+            averaged = sum(torch.load(folder / f"rank{r}.pt", weights_only=True)
+                           for r in range(hvd.size())) / hvd.size()
+        barrier(f"{name}: snapshots read")
         (folder / f"rank{hvd.rank()}.pt").unlink()
     else:
-        averaged = hvd.allreduce(stacked, op=hvd.Average, name=f"{name}.params")
+        averaged = allreduce(stacked, hvd.Average, f"{name}.params", "the snapshots' average")
     if hvd.rank() != 0:
         return None
     curve = []

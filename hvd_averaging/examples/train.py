@@ -24,6 +24,8 @@ import horovod.torch as hvd
 import torch
 
 import hvd_averaging as hva
+from hvd_averaging.deadlines import blocking_call
+from hvd_averaging.examples.collectives import allgather_rows, barrier
 from hvd_averaging.examples.methods import (DEFAULT_METHODS, build_trainer, check_race_args,
                                             label, parse_hierarchy, parse_methods)
 from hvd_averaging.examples.race import (RaceLimits, evaluate_snapshots, grid_times,
@@ -47,18 +49,19 @@ def measure_regime(task, args, repeats: int = 5) -> tuple[float, float]:
     computes, allreduces = [], []
     for _ in range(repeats + 1):
         x, y = next(batches)
-        hvd.barrier()
+        barrier("calibration: before a step")
         began = time.perf_counter()
         opt.zero_grad()
         task.loss(model, x, y).backward()
         opt.step()
         computes.append(time.perf_counter() - began)
-        hvd.barrier()
+        barrier("calibration: before the allreduce")
         began = time.perf_counter()
-        hvd.grouped_allreduce_(grads, op=hvd.Average, name="demo.regime")
+        with blocking_call("calibration: the baseline's gradient allreduce"):
+            hvd.grouped_allreduce_(grads, op=hvd.Average, name="demo.regime")
         allreduces.append(time.perf_counter() - began)
     mine = (statistics.median(computes[1:]), statistics.median(allreduces[1:]))
-    measured = hvd.allgather_object(mine, name="demo.regime.all")
+    measured = allgather_rows(mine, "demo.regime.all", "the calibration's timings")
     return max(c for c, _ in measured), max(a for _, a in measured)
 
 
@@ -72,7 +75,7 @@ def _request_rate(args, rate_mbit: float, attempt: int) -> None:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the demo's launcher did not set the link rate ({done} missing)")
             time.sleep(0.1)
-    hvd.barrier()
+    barrier("the launcher set the link rate")
 
 
 def calibrate(task, args) -> dict:
@@ -122,7 +125,8 @@ def race_one_seed(seed: int, args, task, baseline_steps: int, snapshots_dir) -> 
     eval_model = task.model(seed)
     for method in args.methods:
         model = task.model(seed)
-        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        with blocking_call(f"{method}: the starting model from rank 0"):
+            hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         warmup = max(1, baseline_steps * args.warmup_percent // 100)
         trainer = build_trainer(method, model, task, args, warmup_steps=warmup)
         by_steps = method == "baseline" and args.budget_s is None
@@ -133,9 +137,9 @@ def race_one_seed(seed: int, args, task, baseline_steps: int, snapshots_dir) -> 
         run = run_method(trainer, task.batches(hvd.rank(), hvd.size(), seed), limits,
                          link_interface=args.link_interface, quiet=args.quiet,
                          name=f"race.{seed}.{method}")
-        walls = hvd.allgather_object((run.wall_s, run.compute_s / run.wall_s,
-                                      run.communication_s / run.wall_s),
-                                     name=f"race.{seed}.{method}.wall")
+        walls = allgather_rows((run.wall_s, run.compute_s / run.wall_s,
+                                run.communication_s / run.wall_s),
+                               f"race.{seed}.{method}.wall", f"{method}: every rank's wall time")
         wall = max(w for w, _, _ in walls)
         budget = wall if budget is None else budget
         points = pick_on_grid(run.snapshots, grid_times(budget, args.grid_points), run.final)
@@ -248,7 +252,7 @@ def main(argv=None) -> int:
         budgets.append(budget)
         for method, result in zip(args.methods, results):
             per_method[method].append(result)
-    hvd.barrier()
+    barrier("the race is over")
     if hvd.rank() == 0 and snapshots_dir is not None:
         shutil.rmtree(snapshots_dir, ignore_errors=True)  # emptied rank by rank: only folders left
     if hvd.rank() == 0:
