@@ -92,6 +92,8 @@ def slurm_conf(cluster: Cluster, folder: Path, cpus: int, slurmd_timeout_s: int)
         "AccountingStorageType=accounting_storage/none", "JobAcctGatherType=jobacct_gather/none",
         "JobCompType=jobcomp/filetxt", f"JobCompLoc={folder}/jobcomp.txt",
         "SlurmdParameters=config_overrides", f"TmpFS={folder}/node-tmp",
+        # daemons and srun bind the node's own address, not every interface (docs/security.md)
+        "CommunicationParameters=NoInAddrAny",
         *(f"NodeName={node} NodeAddr={addr} CPUs={cpus} State=UNKNOWN" for node, addr in compute),
         f"PartitionName=hva Nodes={','.join(n for n, _ in compute)} Default=YES "
         "MaxTime=INFINITE State=UP OverSubscribe=YES",
@@ -138,10 +140,13 @@ class SlurmCluster(StartedOrClosed):
             (self.folder / sub).mkdir(parents=True, exist_ok=True)
         # this run's key, never stored anywhere else: made 0400 in a 0700 folder, with O_EXCL
         # (no one else's file is reused), so munged accepts it without --force
+        # (the socket's folder must stay reachable by every user: munged checks both)
+        key_folder = self.folder / "munge-key"
+        key_folder.mkdir(mode=0o700)
+        key_folder.chmod(0o700)
         munge = self.folder / "munge"
-        munge.mkdir(mode=0o700)
-        munge.chmod(0o700)
-        key = munge / "munge.key"
+        munge.mkdir(mode=0o755)
+        key = key_folder / "munge.key"
         descriptor = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
         with os.fdopen(descriptor, "wb") as out:
             out.write(os.urandom(1024))

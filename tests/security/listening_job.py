@@ -41,7 +41,7 @@ def hold_still_then_average() -> None:
 
 hva.init()
 if os.environ.get("HOROVOD_ELASTIC") == "1":
-    state = hvd.elastic.ObjectState(done=False)
+    state = hvd.elastic.TorchState(torch.nn.Linear(2, 1), done=False)
 
     @hvd.elastic.run
     def run(state):

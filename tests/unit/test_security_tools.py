@@ -31,3 +31,14 @@ def test_patch_revision_is_printed_for_the_cache_key():
     out = subprocess.run([sys.executable, str(ROOT / "tools/patch_horovod_rendezvous.py"),
                           "--revision"], capture_output=True, text=True, check=True).stdout
     assert out.strip().startswith("rendezvous")
+
+
+def test_open_mpi_and_slurm_exceptions_are_narrow():
+    from security_tests import MPI_BTL_PORTS, open_mpi_own, slurm_own
+    inside, outside = MPI_BTL_PORTS[0], MPI_BTL_PORTS[1] + 1
+    assert open_mpi_own(("0.0.0.0", 40123, "orted")) and open_mpi_own(("::", inside, "python"))
+    assert not open_mpi_own(("0.0.0.0", outside, "python"))  # a rank's other listener
+    assert slurm_own(("0.0.0.0", 6817, "slurmctld"))
+    assert slurm_own(("127.0.0.1", 5000, "slurmstepd"))
+    assert not slurm_own(("0.0.0.0", 6818, "slurmd"))  # NoInAddrAny binds it to the node
+    assert not slurm_own(("0.0.0.0", 40000, "python,slurmstepd"))

@@ -61,3 +61,35 @@ def test_exit_after_defaults_to_half_the_timeout_and_can_be_turned_off(monkeypat
     monkeypatch.setenv("HVA_EXIT_AFTER_TIMEOUT_SECONDS", "-3")
     with pytest.raises(ValueError, match="HVA_EXIT_AFTER_TIMEOUT_SECONDS='-3' must be a positive"):
         hva.deadlines.exit_after_timeout()
+
+
+def test_a_watchdog_that_cannot_start_warns_once_naming_why(monkeypatch):
+    """At the commit before this test the library went on without its watchdog and said
+    nothing; now it warns once with the reason."""
+    from hvd_averaging.watchdog import Watchdog
+
+    monkeypatch.setattr(sys, "executable", "/nonexistent/python-for-the-watchdog")
+    dog = Watchdog()
+    with pytest.warns(RuntimeWarning, match="watchdog process could not start.*No such file"):
+        dog.arm(5.0, "a round")
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dog.arm(5.0, "another round")  # said once: no second warning
+        dog.disarm()
+
+
+@pytest.mark.parametrize("variable,value", [("HVA_EXIT_AFTER_TIMEOUT_SECONDS", "soon"),
+                                            ("HVA_EXIT_AFTER_TIMEOUT_SECONDS", "-3"),
+                                            ("HVA_TIMEOUT_SECONDS", "inf")])
+def test_malformed_settings_fail_at_init_naming_variable_and_value(variable, value):
+    """hva.init() (a real one-rank Horovod in a child process) raises ValueError naming the
+    variable, its value and the rule; at the commit before this test a malformed
+    HVA_EXIT_AFTER_TIMEOUT_SECONDS passed init and surfaced only inside a later timeout."""
+    import os
+    env = dict(os.environ, **{variable: value})
+    proc = subprocess.run([sys.executable, "-c", "import hvd_averaging as hva; hva.init()"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode != 0
+    assert f"ValueError: {variable}={value!r}" in proc.stderr
+    assert "number of seconds" in proc.stderr
