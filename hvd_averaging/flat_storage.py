@@ -100,22 +100,33 @@ class Packing:
         """False once any bound tensor's ``.data`` was replaced (it no longer views its slab)."""
         return all(t.data_ptr() == ptr for t, ptr in self._bound_pointers)
 
-    def detach(self, finished: Callable[[], bool]) -> None:
-        """Give every bound tensor storage of its own, holding its current values, so that
-        nothing written into the slabs from now on reaches it: a timed-out round's collective
-        stays queued in Horovod and may still write its average there when a late rank arrives.
-        ``finished()`` is asked afterwards: if the round completed while the values were being
-        copied, the slabs hold its whole average, which the tensors then take (never a mix)."""
-        moved = []
+    def move_to_new_storage(self, finished: Callable[[], bool]) -> None:
+        """Give the slabs new buffers and move every bound tensor there with its current value,
+        so that nothing written into the old buffers from now on reaches it: a timed-out
+        round's collective stays queued in Horovod and may still write its average there when
+        a late rank arrives. ``finished()`` is asked afterwards: if the round completed while
+        the values were being copied, the old buffers hold its whole average, which the
+        tensors then take (never a mix). The packing stays the same (same tensors, same
+        layout), so the next round needs no new cross-rank check."""
         with torch.no_grad():
+            old = [slab.flat for slab in self.slabs]
             for slab in self.slabs:
-                for t in slab.bound:
-                    in_slab = t.data
-                    t.data = in_slab.clone()
-                    moved.append((t, in_slab))
+                slab.flat = torch.empty_like(slab.flat)
+                slab.copied_slots = []
+            moved = []
+            for t, (index, offset, stride) in zip(self.tensors, self.places):
+                slab = self.slabs[index]
+                if stride is None:  # copied through its slot: never written by a transfer
+                    slab.copied_slots.append(slab.flat[offset:offset + t.numel()].view(t.shape))
+                    continue
+                view = slab.flat.as_strided(t.shape, stride, offset)
+                view.copy_(t.data)
+                t.data = view
+                moved.append((view, old[index].as_strided(t.shape, stride, offset)))
             if finished():
-                for t, in_slab in moved:
-                    t.data.copy_(in_slab)
+                for view, in_old in moved:
+                    view.copy_(in_old)
+            self._bound_pointers = [(t, t.data_ptr()) for t, _ in self._bound_pointers]
 
     @property
     def extra_bytes(self) -> int:

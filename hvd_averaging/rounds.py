@@ -16,14 +16,14 @@ bfloat16 (absent from Horovod's torch ops, horovod#4047) travels as float32.
 
 Ranks must agree on what they average, or Horovod hangs (a dtype only some ranks have) or
 silently averages unrelated tensors (equal sizes, different shapes). One small allgather compares
-a digest of the layout (dtypes, shapes) and the wire format across the set the first time a
-name is averaged over a set, and whenever that layout or format changes; rounds over the same
-layout add no collective. (A list that changes on some ranks only is caught by the timeout.)
+a digest of the layout (dtypes, shapes) and the wire format across the set the first time a list
+of tensors is averaged over a set, and whenever the list, its layout or the format changes;
+rounds over the same tensors add no collective. (A list that changes on some ranks only is
+caught by the timeout.)
 """
 
 from __future__ import annotations
 
-import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Optional
@@ -60,13 +60,6 @@ class RoundBook:
         self.reused: dict[str, dict] = {}  # per name, for tensors copied through (gradients)
         self.agreed_layouts: dict[tuple, tuple] = {}  # (set id, name) -> (layout digest, wire) agreed
         self.codecs: dict[str, WireCodec] = {}  # per public spelling: stateless, shared
-        self.agreed_lists: dict[tuple, list] = {}  # (set id, name) -> the tensors agreed on (weak)
-
-    def agreed_on(self, key: tuple, tensors: list[torch.Tensor]) -> bool:
-        """Whether exactly these tensor objects were agreed on last under ``key``."""
-        refs = self.agreed_lists.get(key)
-        return refs is not None and len(refs) == len(tensors) and \
-            all(ref() is t for ref, t in zip(refs, tensors))
 
     def codec(self, compression) -> WireCodec:
         """The codec of a public ``compression=`` spelling, made once per world, so that the
@@ -157,6 +150,7 @@ def begin_round(tensors: list[torch.Tensor], process_set: Optional[hvd.ProcessSe
     what = f"{context} over process set {set_ranks} ({name!r}, {len(tensors)} tensors)"
     local_error = None
     packing = book.cached_packing(tensors, name, bind)
+    new_list = packing is None and bind  # a list seen for the first time (or re-bound) is checked
     if packing is None:
         try:
             codec.check_tensors(tensors)
@@ -177,11 +171,7 @@ def begin_round(tensors: list[torch.Tensor], process_set: Optional[hvd.ProcessSe
     agreed_key = (set_id, name)
     # the wire format too: ranks that pass different compression= are told, not left waiting
     layout = (packing.layout_digest, repr(codec.spec())) if packing is not None else None
-    # A list not agreed on before is checked; the same tensors packed anew with the same layout
-    # (re-bound on some ranks only, e.g. after a timeout moved them out) are not: a collective
-    # that some ranks skip would hang.
-    if (local_error is not None or check_finite
-            or (bind and not book.agreed_on(agreed_key, tensors))
+    if (local_error is not None or check_finite or new_list
             or book.agreed_layouts.get(agreed_key) != layout):
         dtypes = sorted({str(t.dtype).replace("torch.", "") for t in tensors})
         check_same_on_all_ranks(
@@ -193,8 +183,6 @@ def begin_round(tensors: list[torch.Tensor], process_set: Optional[hvd.ProcessSe
             summary=f"{len(tensors)} tensors ({sum(t.numel() for t in tensors)} elements, dtypes "
                     f"{dtypes}) in wire format {codec.spec()!r}")
         book.agreed_layouts[agreed_key] = layout
-        if bind:
-            book.agreed_lists[agreed_key] = [weakref.ref(t) for t in tensors]
     if not tensors or len(set_ranks) == 1:
         return None
     return Round(packing, process_set, set_ranks, name, what, codec, node_aware)
@@ -255,8 +243,8 @@ def average_tensors(
             collective.drive([transfer])
         except AveragingTimeoutError:
             # The collective stays queued and a flat one writes into the slabs when the late
-            # rank comes: the parameters move out first (the next round packs them anew).
-            round_.packing.detach(finished=transfer.ready)
+            # rank comes: the parameters move to new storage first.
+            round_.packing.move_to_new_storage(finished=transfer.ready)
             raise
     for slab in slabs:
         slab.copy_out()

@@ -118,14 +118,17 @@ def test_flat_storage_keeps_optimizers_and_state_dict_working(world, rank):
 
 def test_timed_out_round_leaves_parameters_whole(world, rank, tmp_path):
     """The ranks that time out save a checkpoint in their except block; then the late rank
-    arrives and the round's queued collective completes. What they saved, and their parameters
+    arrives and the round's queued allreduce completes. What they saved, and their parameters
     afterwards, hold each tensor's value from before the round, element for element (at the
-    commit before this test the late round's average overwrote all 1,048,576 elements of rank
-    0's parameter within 8 s, over MPI and Gloo); the late rank holds the round's average."""
+    commit before this test the late round's average overwrote the ranks' parameter #0); the
+    late rank holds the round's average."""
     late = world - 1
     on_time = [r for r in range(world) if r != late]
     signals = OutOfBand("torn")
-    params = [param(rank + 1.0, shape=(1024, 1024)), param(10.0 * rank, shape=(7,))]
+    # under 1 MiB in all: the flat route, one allreduce in place in the flat storage, also on
+    # the emulated cluster (node-aware rounds move through stages the late rank cannot finish
+    # alone, and write into the parameters only from the caller's thread)
+    params = [param(rank + 1.0, shape=(512, 500)), param(10.0 * rank, shape=(7,))]
     averager = hva.PeriodicModelAverager(period=2)
     averager.average_parameters(params)  # step 0: the layout is agreed, the slab bound
     averager.average_parameters(params)

@@ -114,3 +114,27 @@ def test_views_into_other_buffers_follow_each_tensors_place():
         torch.testing.assert_close(view, want, rtol=0, atol=0)
     views[0].fill_(7.0)  # writes land in the arrived buffer, at the tensor's place
     assert int((arrived[0] == 7.0).sum()) == conv.numel()
+
+
+def test_move_to_new_storage_keeps_values_away_from_late_writes():
+    """What a timed-out round does: bound tensors move to new buffers with their values, a late
+    write into the old buffers no longer reaches them; if the round had completed meanwhile,
+    they take its whole result instead. Copied tensors get slots in the new buffers."""
+    from hvd_averaging.flat_storage import pack
+    a = torch.nn.Parameter(torch.arange(6.0).reshape(2, 3))
+    b = torch.nn.Parameter(torch.ones(4))
+    base = torch.zeros(10)
+    view = base[2:6]  # a view: copied through its slot, never bound
+    packing = pack([a, b, view], bind=True)
+    old = packing.slabs[0].flat
+    packing.move_to_new_storage(finished=lambda: False)
+    old.fill_(99.0)  # the late round writes its average into the old buffer
+    assert torch.equal(a.detach(), torch.arange(6.0).reshape(2, 3)) and torch.equal(b.detach(), torch.ones(4))
+    assert packing.still_bound() and packing.slabs[0].flat.data_ptr() != old.data_ptr()
+    assert a.data_ptr() == packing.slabs[0].flat.data_ptr()
+    packing.slabs[0].copy_in()
+    assert torch.equal(packing.slabs[0].copied_slots[0], torch.zeros(4))
+    old2 = packing.slabs[0].flat
+    old2.fill_(7.0)  # the round completed while the values were copied
+    packing.move_to_new_storage(finished=lambda: True)
+    assert torch.equal(a.detach(), torch.full((2, 3), 7.0)) and torch.equal(b.detach(), torch.full((4,), 7.0))
