@@ -1,12 +1,14 @@
 """hvd_averaging: PyTorch's model averaging (post-local SGD, hierarchical SGD, DiLoCo) on Horovod.
 
-Layers, each importing only the ones before it (``docs/api.md`` lists what each module owns):
+Layers, each importing only the ones before it (the README's layout lists what each module owns):
 
 - who: ``topology`` (groups from a placement, pure);
 - runtime: ``watchdog``, ``deadlines`` (timeouts, the watchdog), ``world`` (one Horovod world
-  and what belongs to it), ``placement`` (the node of every rank), ``process_sets`` (the
-  shared registry), ``agreement`` (cross-rank checks), ``startup`` (``init``);
-- storage and transports: ``flat_storage``, ``params``, ``traffic``, ``transports`` (one
+  and what belongs to it), ``gather_text`` (strings as bytes in tensors), ``placement`` (the
+  node of every rank), ``process_sets`` (the shared registry), ``agreement`` (cross-rank
+  checks), ``startup`` (``init``);
+- storage and transports: ``flat_storage``, ``params``, ``checkpoint`` (checkpoint forms and
+  checks, pure), ``broadcast`` (one rank's tensors or state to all), ``traffic``, ``transports`` (one
   module per way), ``wire`` (one module per wire format: as is, float16, int8), ``routes``
   (which way a set takes);
 - rounds: ``rounds`` (one round now), ``delayed`` (rounds left in flight);
