@@ -145,6 +145,29 @@ def run_rank_death(controller: str, np: int, die_at: int) -> bool:
     return ok
 
 
+SETUP_STALL_BOUND_S = 30  # timeout 3 s + the watchdog's grace 2 s + the launcher's reaction
+
+
+def run_setup_stall() -> bool:
+    """A process-set registration only rank 0 makes: the job ends within SETUP_STALL_BOUND_S,
+    non-zero, the watchdog naming the registration (at 390992b it waited forever)."""
+    label = "set-up stall: mpi np=2, rank 0 registers a process set alone"
+    cmd = [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", str(BIN / "python"),
+           "tests/faults/setup_stall.py"]
+    print(f"\n=== {label}", flush=True)
+    start = time.monotonic()
+    out, rc = launch(cmd, test_launch_env(HVA_TIMEOUT_SECONDS="3"), SETUP_STALL_BOUND_S + 30)
+    elapsed = time.monotonic() - start
+    named = [line.strip() for line in out.splitlines()
+             if "watchdog" in line and "registering process set [0]" in line]
+    ok = rc not in (0, None) and elapsed <= SETUP_STALL_BOUND_S and bool(named) \
+        and "which cannot happen" not in out
+    print(out if not ok else f"    job ended with exit code {rc} after {elapsed:.1f} s; {named[0][:300]}",
+          flush=True)
+    print(f"=== {'ok' if ok else 'FAILED'}: {label} ({elapsed:.0f} s)", flush=True)
+    return ok
+
+
 def run_elastic_shrink(timeout_s: int) -> bool:
     """4-rank elastic Gloo run that loses a worker at batch 10 (tests/faults/elastic_shrink.py)."""
     import tempfile
@@ -328,6 +351,7 @@ def main() -> int:
             log.run(f"rank death {controller} np={np} step {die_at}",
                     lambda: run_rank_death(controller, np, die_at))
         log.run("elastic gloo 4 -> 3", lambda: run_elastic_shrink(args.timeout))
+        log.run("set-up stall", run_setup_stall)
         log.run("Horovod recipe, resume", lambda: run_horovod_recipe(args.timeout))
         log.run("entrypoint --check", lambda: run_entrypoint_check(args.timeout))
         log.run("demo fast mode", lambda: run_demo_fast(args.timeout))
