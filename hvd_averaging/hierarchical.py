@@ -7,9 +7,7 @@ from typing import Any, Mapping, Optional
 import horovod.torch as hvd
 
 from .averagers import ModelAverager
-from .delayed import DelayedRounds
-from .placement import rank_to_node
-from .process_sets import members, register_groups
+from .process_sets import members
 from .schedule import check_warmup_steps, hierarchical_period, level_delays, level_values, normalize_hierarchy
 from .topology import hierarchy_groups
 from .wire import level_codecs
@@ -76,16 +74,21 @@ class HierarchicalModelAverager(ModelAverager):
                                             stacklevel=3)
             check_warmup_steps(warmup_steps)
             periods = list(hierarchy)
-            self._delayed = DelayedRounds(level_delays(delay, periods))
-            self._codecs = level_codecs(level_values(compression, periods, "compression", None),
-                                        error_feedback, stacklevel=3)
+            self._levels.configure(
+                level_delays(delay, periods),
+                level_codecs(level_values(compression, periods, "compression", None),
+                             error_feedback, stacklevel=3))
         except ValueError as e:
             error = e
         self.warmup_steps = warmup_steps
         self.period_group_size_dict = hierarchy
         self._periods = list(hierarchy)
-        self.period_process_set_dict: dict[int, hvd.ProcessSet] = {}
-        self._agree_and_register(error)
+        self._members.start(error)
+
+    @property
+    def period_process_set_dict(self) -> dict[int, hvd.ProcessSet]:
+        """``period -> hvd.ProcessSet`` of this rank's group at that level."""
+        return dict(self._members.level_sets)
 
     def level_at(self, step: int) -> Optional[int]:
         return hierarchical_period(step, self._periods, self.warmup_steps)
@@ -94,45 +97,31 @@ class HierarchicalModelAverager(ModelAverager):
     def top_level(self) -> int:
         return self._periods[-1]
 
-    def _process_sets(self) -> list[hvd.ProcessSet]:
-        return [self.process_set, *self.period_process_set_dict.values()]
+    def _level_groups(self, ranks: list[int], placement: list) -> dict[int, list[list[int]]]:
+        """Every level's groups: contiguous node-major blocks of the level's size."""
+        sizes = list(self.period_group_size_dict.values())
+        return dict(zip(self.period_group_size_dict, hierarchy_groups(ranks, placement, sizes)))
 
-    def _register_sets(self) -> None:
-        """Register every group of every level (collective) and keep this rank's."""
-        hierarchy = self.period_group_size_dict
-        levels = hierarchy_groups(members(self.process_set), rank_to_node(), list(hierarchy.values()))
-        self.period_process_set_dict = {}
-        for period, groups in zip(hierarchy, levels):
-            mine = register_groups(self.process_set, groups)
-            if mine is not None:
-                self.period_process_set_dict[period] = mine
-        self._prepare_sets(levels)
-
-    def _level_set(self, level: int) -> Optional[hvd.ProcessSet]:
-        return self.period_process_set_dict.get(level)
-
-    def _rebuild_for_world(self) -> None:
+    def _fit_world_size(self, size: int) -> None:
         """After an elastic reset: the largest level becomes the new world, the smaller levels
-        keep their sizes (their groups are registered again by :meth:`_follow_world`).
+        keep their sizes.
 
         Raises:
             ValueError: the smaller levels do not fit the new world size (on every rank).
         """
-        super()._rebuild_for_world()
-        world = hvd.size()
         resized = dict(self.period_group_size_dict)
-        resized[self._periods[-1]] = world
+        resized[self._periods[-1]] = size
         try:
-            hierarchy = normalize_hierarchy(resized, world)
+            hierarchy = normalize_hierarchy(resized, size)
         except ValueError as error:
             raise ValueError(
-                f"after the elastic reset the world has {world} ranks and the hierarchy "
+                f"after the elastic reset the world has {size} ranks and the hierarchy "
                 f"{self.period_group_size_dict} does not fit it ({error}); choose group sizes "
                 "that divide every world size the job may shrink or grow to") from None
         self.period_group_size_dict = hierarchy
 
     def _config(self) -> dict[str, Any]:
         return {"period_group_size_dict": self.period_group_size_dict,
-                "warmup_steps": self.warmup_steps, "delays": self._delayed.delays,
-                "compression": self._wire_specs() or repr(self._compression_arg),
+                "warmup_steps": self.warmup_steps, "delays": self._levels.delays,
+                "compression": self._levels.wire_specs() or repr(self._compression_arg),
                 **super()._config()}
