@@ -94,7 +94,7 @@ class LevelRounds:
 
     def wire_specs(self) -> dict[int, Any]:
         """``{level: spec}`` of the levels' wire formats, as ranks compare them."""
-        return {level: codec.spec() for level, codec in self.codecs.items()}
+        return {level: codec.format.spec() for level, codec in self.codecs.items()}
 
     def state_dict(self) -> dict[str, Any]:
         """``wire`` (the formats' state, int8's residuals) and ``in_flight`` (the delayed rounds'

@@ -39,7 +39,7 @@ from .process_sets import members
 from .routes import routes
 from .traffic import count_round
 from .transports import Transport
-from .wire import NonFiniteOnWire, WireCodec, wire_codec
+from .wire import NonFiniteOnWire, WireCodec, wire_format
 from .world import current_world
 
 __all__ = ["NonFiniteError", "Round", "begin_round", "average_tensors", "average_parameters"]
@@ -59,20 +59,24 @@ class RoundBook:
         self.packings: dict[tuple, Packing] = {}  # by (name, tensor identities), at most a few
         self.reused: dict[str, dict] = {}  # per name, for tensors copied through (gradients)
         self.agreed_layouts: dict[tuple, tuple] = {}  # (set id, name) -> (layout digest, wire) agreed
-        self.codecs: dict[str, WireCodec] = {}  # per public spelling: stateless, shared
+        self.codecs: dict = {}  # per wire format without state: shared by the calls spelling it
 
     def codec(self, compression) -> WireCodec:
         """The codec of a public ``compression=`` spelling, made once per world, so that the
         transports it builds (and their wire buffers) serve every call that spells it alike.
-        (Codecs with state, error feedback's, are an averager level's own and never shared.)
+        (A format with state, error feedback's, gets a codec per call: an averager level keeps
+        its own.)
 
         Raises:
             ValueError: a bad spelling (named, with the choices).
         """
-        codec = wire_codec(compression)
-        if codec.keeps_state:
-            return codec
-        return self.codecs.setdefault(str(codec.spec()), codec)
+        wire = wire_format(compression)
+        if wire.new_state() is not None:
+            return wire.codec()
+        found = self.codecs.get(wire)
+        if found is None:
+            found = self.codecs[wire] = wire.codec()
+        return found
 
     def cached_packing(self, tensors: list[torch.Tensor], name: str, bind: bool) -> Optional[Packing]:
         """The packing made for exactly these tensors, if they still live in it."""
@@ -108,7 +112,7 @@ class Round:
 
     def transport(self) -> Transport:
         nbytes = sum(slab.flat.numel() * slab.flat.element_size() for slab in self.packing.slabs)
-        return routes().transport(self.process_set, nbytes, self.codec, node_aware=self.node_aware)
+        return self.codec.transport(routes().route(self.process_set, nbytes, self.node_aware))
 
     def op_names(self) -> list[str]:
         """One stable name per dtype buffer (Horovod's response cache hits round after round)."""
@@ -130,7 +134,7 @@ class Round:
         except NonFiniteOnWire as error:
             where = first_non_finite(self.packing) if error.rank == hvd.rank() else None
             raise NonFiniteError(f"{self.what}: " + (
-                f"{where}; {self.codec.round_name} cannot scale it" if where else
+                f"{where}; {self.codec.format.round_name} cannot scale it" if where else
                 f"rank {error.rank} holds NaN/Inf (see its error); nothing was averaged")) from None
 
 
@@ -153,7 +157,6 @@ def begin_round(tensors: list[torch.Tensor], process_set: Optional[hvd.ProcessSe
     new_list = packing is None and bind  # a list seen for the first time (or re-bound) is checked
     if packing is None:
         try:
-            codec.check_tensors(tensors)
             check_local_layout(tensors)
             packing = book.new_packing(tensors, name, bind)
         except (TypeError, ValueError) as error:
@@ -170,7 +173,7 @@ def begin_round(tensors: list[torch.Tensor], process_set: Optional[hvd.ProcessSe
                     f"{what}: {where}; refusing to average it into every rank's model")
     agreed_key = (set_id, name)
     # the wire format too: ranks that pass different compression= are told, not left waiting
-    layout = (packing.layout_digest, repr(codec.spec())) if packing is not None else None
+    layout = (packing.layout_digest, repr(codec.format.spec())) if packing is not None else None
     if (local_error is not None or check_finite or new_list
             or book.agreed_layouts.get(agreed_key) != layout):
         dtypes = sorted({str(t.dtype).replace("torch.", "") for t in tensors})
@@ -181,7 +184,7 @@ def begin_round(tensors: list[torch.Tensor], process_set: Optional[hvd.ProcessSe
             process_set=process_set,
             name=f"hva.layout.{set_id}.{name}",
             summary=f"{len(tensors)} tensors ({sum(t.numel() for t in tensors)} elements, dtypes "
-                    f"{dtypes}) in wire format {codec.spec()!r}")
+                    f"{dtypes}) in wire format {codec.format.spec()!r}")
         book.agreed_layouts[agreed_key] = layout
     if not tensors or len(set_ranks) == 1:
         return None

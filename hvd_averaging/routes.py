@@ -6,7 +6,9 @@ as process sets (with one rank per node the rail is the set itself: reduce-scatt
 allgather across the nodes, which OpenMPI runs faster than its allreduce; under Gloo such a set
 stays flat, Gloo's allreduce being the faster). Every other set, and every buffer too small for
 the stages to pay off, takes one flat allreduce. The choice is made once per set, from the
-placement every rank shares, so all members take the same way.
+placement every rank shares, so all members take the same way. A :class:`Route` names the sets
+a round crosses and builds the transports in the buffers' own dtype; the wire formats
+(:mod:`hvd_averaging.wire`) wrap or replace the stage that crosses the link.
 """
 
 from __future__ import annotations
@@ -19,15 +21,61 @@ from .placement import known_rank_to_node, rank_to_node
 from .process_sets import ProcessSetNotRegistered, members, register_groups
 from .startup import elastic_job
 from .topology import node_aware_groups
-from .transports import Transport
-from .wire import Route, WireCodec
+from .transports import FlatAllreduce, NodeAware, ReduceScatterAllgather, Transport
 from .world import current_world
 
-__all__ = ["NODE_AWARE_MIN_BYTES", "NodeAwareSets", "Routes", "routes", "prepare_process_set",
-           "averaging_route"]
+__all__ = ["NODE_AWARE_MIN_BYTES", "Route", "NodeAwareSets", "Routes", "routes",
+           "prepare_process_set", "averaging_route"]
 
 # Below this a round is latency-bound: four stages cost more than they save on the link.
 NODE_AWARE_MIN_BYTES = 1 << 20
+
+
+class Route(NamedTuple):
+    """Which sets a round over ``process_set`` crosses.
+
+    ``node_set``/``rail_set`` are set for node-aware rounds (``node_set`` None with one rank per
+    node, the rail then being the set itself); ``rail_allreduce`` says whether a float rail
+    crosses with one allreduce (Gloo) or reduce-scatter plus allgather (Open MPI), and
+    ``scatter_by_alltoall`` whether the node's reduce-scatter is an alltoall and a local sum
+    (Gloo) or Horovod's reduce-scatter (Open MPI).
+    """
+
+    process_set: hvd.ProcessSet
+    members: int
+    crosses_nodes: bool
+    node_aware: bool = False
+    node_set: Optional[hvd.ProcessSet] = None
+    rail_set: Optional[hvd.ProcessSet] = None
+    ranks_per_node: int = 1
+    nodes: int = 1
+    rail_allreduce: bool = False
+    scatter_by_alltoall: bool = False
+
+    @property
+    def key(self) -> tuple:
+        """Equal for routes over the same sets (ids are reused after an elastic reset: the
+        members tell such sets apart)."""
+        def ident(s: Optional[hvd.ProcessSet]) -> tuple:
+            return (None,) if s is None else (s.process_set_id, tuple(s.ranks or ()))
+        return (*ident(self.process_set), self.node_aware, *ident(self.node_set),
+                *ident(self.rail_set))
+
+    def float_transport(self) -> Transport:
+        """The route in the buffers' own dtype."""
+        if not self.node_aware:
+            return FlatAllreduce(self.process_set, self.crosses_nodes)
+        return self.node_aware_with(self.float_rail())
+
+    def float_rail(self) -> Transport:
+        if self.rail_allreduce:
+            return FlatAllreduce(self.rail_set, True)
+        return ReduceScatterAllgather(self.rail_set, self.nodes, True)
+
+    def node_aware_with(self, rail: Transport) -> NodeAware:
+        """Node-aware stages with ``rail`` crossing the link."""
+        return NodeAware(self.node_set, rail, self.ranks_per_node, whole_set=self.process_set,
+                         scatter_by_alltoall=self.scatter_by_alltoall)
 
 
 class NodeAwareSets(NamedTuple):
@@ -41,7 +89,8 @@ class NodeAwareSets(NamedTuple):
 
 class Routes:
     """Per process set: whether it spans nodes and, where it can, its node-aware sets. One per
-    world (set ids are the world's); the transports built on the routes are the codecs'."""
+    world (set ids are the world's); a wire format (:mod:`hvd_averaging.wire`) builds the
+    transport that carries its buffers along a :class:`Route`."""
 
     def __init__(self) -> None:
         self._staged: dict[int, Optional[NodeAwareSets]] = {}
@@ -125,11 +174,6 @@ class Routes:
         return Route(process_set, ranks, crosses, node_aware=True, node_set=staged.node_set,
                      rail_set=staged.rail_set, ranks_per_node=staged.ranks_per_node,
                      nodes=staged.nodes, rail_allreduce=gloo, scatter_by_alltoall=gloo)
-
-    def transport(self, process_set: hvd.ProcessSet, nbytes: int, codec: WireCodec,
-                  node_aware: Optional[bool] = None) -> Transport:
-        """The way a round of ``nbytes`` averages over ``process_set`` in ``codec``'s format."""
-        return codec.transport(self.route(process_set, nbytes, node_aware))
 
 
 def routes() -> Routes:

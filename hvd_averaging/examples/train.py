@@ -32,6 +32,7 @@ from hvd_averaging.examples.race import (RaceLimits, evaluate_snapshots, grid_ti
                                          pick_on_grid, run_method, shared_folder, time_to_reach)
 from hvd_averaging.examples.report import plot, summarize, table
 from hvd_averaging.examples.tasks import TASKS
+from hvd_averaging.wire import WIRE_FORMATS
 
 __all__ = ["main", "parse_args", "measure_regime", "race_one_seed"]
 
@@ -196,7 +197,7 @@ def parse_args(argv=None):
     parser.add_argument("--lr", type=float, default=None, help="inner learning rate, every method")
     parser.add_argument("--baseline-fp16", action="store_true",
                         help="the baseline sends float16 gradients (hvd.Compression.fp16)")
-    parser.add_argument("--cross-node-compression", choices=("none", "fp16", "int8"),
+    parser.add_argument("--cross-node-compression", choices=WIRE_FORMATS.names,
                         default="none", help="what the averaging methods' top level (the one "
                         "that crosses the link) sends: compression= of the library")
     parser.add_argument("--error-feedback", action="store_true",

@@ -1,112 +1,89 @@
-"""The interface of a wire format (what a round's buffers become while they travel), and the
-route it is applied to.
+"""The interface of a wire format (what a round's buffers become while they travel).
 
-A :class:`WireCodec` turns a :class:`Route` (which sets a round crosses: one flat set, or node
-groups and rails) into a :class:`~hvd_averaging.transports.Transport`. Formats that keep state
-between rounds (int8's error feedback) keep it in the codec, whose owner is the averager level
-that holds it; a codec also keeps the transports it built, so their buffers are reused round
-after round.
+A :class:`WireFormat` is a format's settings: frozen, compared across ranks, shared freely (the
+public ``compression=`` values). It builds, along a :class:`~hvd_averaging.routes.Route`, the
+:class:`~hvd_averaging.transports.Transport` that carries the buffers in that format. A
+:class:`WireCodec` is one user's instance of a format (an averager level, or the rounds of one
+spelling): the transports it built, so their buffers are reused round after round, and the state
+the format carries between rounds (int8's error feedback residuals), owned by that user alone.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, NamedTuple, Optional
+from dataclasses import dataclass
+from typing import Any, ClassVar, Optional
 
 import horovod.torch as hvd
 import torch
 
-from ..transports import FlatAllreduce, NodeAware, ReduceScatterAllgather, Transport
+from ..routes import Route
+from ..transports import Transport
 from ..transports.base import Stages
 
-__all__ = ["Route", "WireCodec", "NonFiniteOnWire", "AgreeFinite"]
+__all__ = ["WireFormat", "WireCodec", "NonFiniteOnWire", "AgreeFinite"]
 
 
-class Route(NamedTuple):
-    """Which sets a round over ``process_set`` crosses.
+@dataclass(frozen=True)
+class WireFormat(ABC):
+    """A wire format's settings. Subclasses are frozen dataclasses (their fields are the
+    settings) and name themselves in :mod:`.registry`."""
 
-    ``node_set``/``rail_set`` are set for node-aware rounds (``node_set`` None with one rank per
-    node, the rail then being the set itself); ``rail_allreduce`` says whether a float rail
-    crosses with one allreduce (Gloo) or reduce-scatter plus allgather (Open MPI), and
-    ``scatter_by_alltoall`` whether the node's reduce-scatter is an alltoall and a local sum
-    (Gloo) or Horovod's reduce-scatter (Open MPI).
-    """
+    name: ClassVar[str] = ""
+    round_name: ClassVar[str] = "a round"  # in messages: "a float16 round cannot scale it"
 
-    process_set: hvd.ProcessSet
-    members: int
-    crosses_nodes: bool
-    node_aware: bool = False
-    node_set: Optional[hvd.ProcessSet] = None
-    rail_set: Optional[hvd.ProcessSet] = None
-    ranks_per_node: int = 1
-    nodes: int = 1
-    rail_allreduce: bool = False
-    scatter_by_alltoall: bool = False
+    @abstractmethod
+    def build(self, route: Route, state: Optional[Any]) -> Transport:
+        """A new transport over ``route`` in this format; ``state``: :meth:`new_state`'s object."""
+
+    def new_state(self) -> Optional[Any]:
+        """What one user of the format carries between rounds (an object with ``state_dict`` and
+        ``load_state_dict``), or None when the format keeps nothing."""
+        return None
+
+    def with_error_feedback(self) -> Optional["WireFormat"]:
+        """This format keeping its quantization residuals, or None if it has none to keep."""
+        return None
+
+    def spec(self) -> Any:
+        """Plain data ranks compare and checkpoints hold: the name, or the name and settings."""
+        return self.name
+
+    def codec(self) -> "WireCodec":
+        """A new user of this format, with state of its own."""
+        return WireCodec(self)
+
+
+class WireCodec:
+    """One user's instance of a :class:`WireFormat`: the transports built per route and the
+    format's state between rounds."""
+
+    def __init__(self, wire_format: WireFormat) -> None:
+        self.format = wire_format
+        self.state = wire_format.new_state()
+        self._transports: dict[tuple, Transport] = {}
 
     @property
-    def key(self) -> tuple:
-        """Equal for routes over the same sets (ids are reused after an elastic reset: the
-        members tell such sets apart)."""
-        def ident(s: Optional[hvd.ProcessSet]) -> tuple:
-            return (None,) if s is None else (s.process_set_id, tuple(s.ranks or ()))
-        return (*ident(self.process_set), self.node_aware, *ident(self.node_set),
-                *ident(self.rail_set))
-
-    def float_transport(self) -> Transport:
-        """The route in the buffers' own dtype."""
-        if not self.node_aware:
-            return FlatAllreduce(self.process_set, self.crosses_nodes)
-        return self.node_aware_with(self.float_rail())
-
-    def float_rail(self) -> Transport:
-        if self.rail_allreduce:
-            return FlatAllreduce(self.rail_set, True)
-        return ReduceScatterAllgather(self.rail_set, self.nodes, True)
-
-    def node_aware_with(self, rail: Transport) -> NodeAware:
-        """Node-aware stages with ``rail`` crossing the link."""
-        return NodeAware(self.node_set, rail, self.ranks_per_node, whole_set=self.process_set,
-                         scatter_by_alltoall=self.scatter_by_alltoall)
-
-
-class WireCodec(ABC):
-    """A wire format: builds the transport a route takes in it; may keep state across rounds."""
-
-    name: str = ""
-    round_name: str = "a round"  # in messages: "a float16 round cannot scale it"
-    keeps_state: bool = False  # state carried from round to round (int8's error feedback)
-
-    def __init__(self) -> None:
-        self._transports: dict[tuple, Transport] = {}
+    def keeps_state(self) -> bool:
+        return self.state is not None
 
     def transport(self, route: Route) -> Transport:
         """This format's transport over ``route`` (built once per route)."""
         found = self._transports.get(route.key)
         if found is None:
-            found = self._transports[route.key] = self.build(route)
+            found = self._transports[route.key] = self.format.build(route, self.state)
         return found
 
-    @abstractmethod
-    def build(self, route: Route) -> Transport:
-        """A new transport over ``route`` in this format."""
-
-    def check_tensors(self, tensors: list[torch.Tensor]) -> None:
-        """Raise ``ValueError`` if this format cannot carry ``tensors`` (local, before any
-        collective); every format carries what a round accepts."""
-
-    def spec(self) -> Any:
-        """What ranks compare to agree on the format (a name, or a name and its settings)."""
-        return self.name
-
     def state_dict(self) -> dict[str, Any]:
-        """State kept between rounds (none unless the format keeps some)."""
-        return {}
+        """The state kept between rounds (empty when the format keeps none)."""
+        return self.state.state_dict() if self.state is not None else {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`."""
+        if self.state is not None:
+            self.state.load_state_dict(state)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
+        return f"WireCodec({self.format!r})"
 
 
 class NonFiniteOnWire(ValueError):

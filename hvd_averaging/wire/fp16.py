@@ -18,12 +18,16 @@ way uses) and the division round at most ``R + 2`` times on the path of every el
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import horovod.torch as hvd
 import torch
 
+from ..routes import Route
 from ..transports.base import Stages, Transport
-from .base import NonFiniteOnWire, Route, WireCodec
+from .base import NonFiniteOnWire, WireFormat
+from .registry import WIRE_FORMATS
 
 __all__ = ["FP16_MAX", "FP16_SUM_LIMIT", "fp16_scale", "fp16_error_bound", "Fp16Wire", "Fp16"]
 
@@ -127,12 +131,16 @@ class Fp16Wire(Transport):
             [torch.empty(b.numel(), dtype=torch.float16, device="meta") for b in buffers])
 
 
-class Fp16(WireCodec):
+@dataclass(frozen=True)
+class Fp16(WireFormat):
     """float16 on the wire (``compression="fp16"`` or ``hvd.Compression.fp16``): the whole
     route, inside nodes too, carries the scaled float16 copy."""
 
     name = "fp16"
     round_name = "a float16 round"
 
-    def build(self, route: Route) -> Transport:
+    def build(self, route: Route, state: Optional[Any]) -> Transport:
         return Fp16Wire(route.float_transport(), route.process_set, route.members)
+
+
+WIRE_FORMATS.register(Fp16(), {"hvd.Compression.fp16": hvd.Compression.fp16})

@@ -41,14 +41,17 @@ float32 copy of the buffers that travel in int8 (on a node-aware route, the rail
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import horovod.torch as hvd
 import torch
 import torch.nn.functional as F
 
+from ..routes import Route
 from ..transports.base import Stages, Transport
-from .base import AgreeFinite, Route, WireCodec
+from .base import AgreeFinite, WireFormat
+from .registry import WIRE_FORMATS
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_PIECES", "check_block_size", "piece_bounds",
            "quantize_blocks", "dequantize_blocks", "int8_error_bound", "window_absmax", "Residuals",
@@ -145,12 +148,12 @@ class Residuals:
     def commit(self, pending: dict[str, torch.Tensor]) -> None:
         self.kept.update(pending)
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {key: value.clone() for key, value in self.kept.items()}
+    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {"residuals": {key: value.clone() for key, value in self.kept.items()}}
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.kept = {key: torch.as_tensor(value, dtype=torch.float32).clone()
-                     for key, value in state.items()}
+                     for key, value in state.get("residuals", {}).items()}
 
 
 def piece_bounds(chunk: int, block_size: int, pieces: int,
@@ -279,7 +282,8 @@ class Int8Exchange(Transport):
         return sum((self.members + 1) * self._packet_bytes(b.numel()) for b in buffers)
 
 
-class Int8(WireCodec):
+@dataclass(frozen=True)
+class Int8(WireFormat):
     """int8 on the wire (``compression="int8"``, or this object for other settings).
 
     Args:
@@ -296,44 +300,33 @@ class Int8(WireCodec):
         >>> hva.PeriodicModelAverager(16, compression=hva.Int8(block_size=256))
     """
 
+    block_size: int = DEFAULT_BLOCK_SIZE
+    error_feedback: bool = False
+
     name = "int8"
     round_name = "an int8 round"
 
-    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, error_feedback: bool = False):
-        super().__init__()
-        self.block_size = check_block_size(block_size)
-        self.error_feedback = bool(error_feedback)
-        self.residuals = Residuals() if self.error_feedback else None
+    def __post_init__(self) -> None:
+        check_block_size(self.block_size)
+        object.__setattr__(self, "error_feedback", bool(self.error_feedback))
 
-    @property
-    def keeps_state(self) -> bool:
-        return self.error_feedback
+    def new_state(self) -> Optional[Residuals]:
+        return Residuals() if self.error_feedback else None
 
-    def check_tensors(self, tensors: list[torch.Tensor]) -> None:
-        for index, tensor in enumerate(tensors):
-            if not tensor.is_floating_point():
-                raise ValueError(
-                    f"compression='int8' quantizes floating-point values; tensor #{index} has "
-                    f"dtype {tensor.dtype} (int8 carries float16, bfloat16, float32 and float64)")
+    def with_error_feedback(self) -> "Int8":
+        return replace(self, error_feedback=True)
 
-    def build(self, route: Route) -> Transport:
+    def build(self, route: Route, state: Optional[Any]) -> Transport:
         if route.node_aware:
-            rail = Int8Exchange(route.rail_set, route.nodes, True, self.block_size, self.residuals)
+            rail = Int8Exchange(route.rail_set, route.nodes, True, self.block_size, state)
             inner = route.node_aware_with(rail)
         else:
             inner = Int8Exchange(route.process_set, route.members, route.crosses_nodes,
-                                 self.block_size, self.residuals)
+                                 self.block_size, state)
         return AgreeFinite(inner, route.process_set, "int8")
 
     def spec(self) -> Any:
         return ["int8", self.block_size, self.error_feedback]
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"residuals": self.residuals.state_dict()} if self.residuals is not None else {}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.residuals is not None:
-            self.residuals.load_state_dict(state.get("residuals", {}))
-
-    def __repr__(self) -> str:
-        return f"Int8(block_size={self.block_size}, error_feedback={self.error_feedback})"
+WIRE_FORMATS.register(Int8(), {}, "hva.Int8(block_size=...)")

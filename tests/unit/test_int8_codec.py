@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import hvd_averaging as hva
-from hvd_averaging.wire import (COMPRESSION_CHOICES, AsIs, Fp16, Int8, dequantize_blocks,
-                                level_codecs, quantize_blocks, wire_codec, window_absmax)
+from hvd_averaging.wire import (COMPRESSION_CHOICES, WIRE_FORMATS, AsIs, Fp16, Int8,
+                                dequantize_blocks, level_codecs, quantize_blocks, window_absmax,
+                                wire_format)
 from hvd_averaging.wire.int8 import piece_bounds
 
 
@@ -44,13 +45,31 @@ def test_window_absmax_covers_every_block_holding_the_element():
                                            ("fp16", Fp16), (hvd.Compression.fp16, Fp16),
                                            ("int8", Int8), (Int8(block_size=64), Int8)])
 def test_compression_spellings(spelling, kind):
-    assert type(wire_codec(spelling)) is kind
+    assert type(wire_format(spelling)) is kind
+
+
+def test_every_registered_format_is_spelled_by_its_name_and_listed():
+    assert WIRE_FORMATS.names == ("none", "fp16", "int8")
+    for name in WIRE_FORMATS.names:
+        assert wire_format(name).name == name and f'"{name}"' in COMPRESSION_CHOICES
+    with pytest.raises(ValueError, match="registered twice"):
+        WIRE_FORMATS.register(Fp16(), {})
+
+
+def test_a_format_is_frozen_settings_and_each_codec_has_its_own_state():
+    spec = Int8(block_size=64, error_feedback=True)
+    with pytest.raises(Exception):
+        spec.block_size = 8
+    assert spec == Int8(64, True) and hash(spec) == hash(Int8(64, True))
+    first, second = spec.codec(), spec.codec()
+    assert first.format is spec and first.state is not second.state and first.keeps_state
+    assert not Fp16().codec().keeps_state and Fp16().codec().state_dict() == {}
 
 
 @pytest.mark.parametrize("bad", ["int4", "Int8", "float16", 8, hvd.Compression.fp16(), object()])
 def test_bad_compression_names_the_value_and_the_choices(bad):
     with pytest.raises(ValueError) as caught:
-        wire_codec(bad)
+        wire_format(bad)
     assert repr(bad) in str(caught.value) and ", ".join(COMPRESSION_CHOICES) in str(caught.value)
 
 
@@ -63,9 +82,9 @@ def test_block_size_must_be_a_positive_int(bad):
 def test_each_level_gets_its_own_codec_and_feedback_only_on_int8():
     shared = Int8(block_size=256)
     codecs = level_codecs({2: "fp16", 8: shared, 32: shared}, True)
-    assert type(codecs[2]) is Fp16 and codecs[8] is not codecs[32] and codecs[8] is not shared
-    assert codecs[8].error_feedback and codecs[8].block_size == 256
-    assert codecs[8].residuals is not codecs[32].residuals
+    assert type(codecs[2].format) is Fp16 and codecs[8] is not codecs[32]
+    assert codecs[8].format == Int8(256, error_feedback=True) and not shared.error_feedback
+    assert codecs[8].state is not codecs[32].state and codecs[2].state is None
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         level_codecs({8: "int8"}, False)
