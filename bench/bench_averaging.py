@@ -27,6 +27,10 @@ import hvd_averaging as hva
 from hvd_averaging.rounds import average_tensors
 from hvd_averaging.deadlines import bounded_collective
 
+from bench_common import make_params, slowest_rank
+from labels import (BIG, FIRST_CALL, FLOOR, FLOOR_POLLED, GLOBAL_LEVEL, GROUPED, HVA, MEMCPY,
+                    PAIR_LEVEL, PER_TENSOR, TINY, TORCH, TRANSFORMER)
+
 
 def resnet_like() -> list[tuple[int, ...]]:
     """161 tensors, about 42M float32 parameters: a few large conv kernels, many small ones."""
@@ -49,18 +53,7 @@ def tiny_mlp() -> list[tuple[int, ...]]:
     return [(128, 64), (128,), (10, 128), (10,)]
 
 
-SHAPE_SETS = {"resnet-like 161 tensors": resnet_like, "transformer-like": transformer_like,
-              "tiny MLP": tiny_mlp}
-
-
-def make_params(shapes, seed: int) -> list[torch.nn.Parameter]:
-    generator = torch.Generator().manual_seed(seed)
-    params = []
-    for shape in shapes:
-        p = torch.nn.Parameter(torch.randn(shape, generator=generator))
-        p.grad = torch.zeros_like(p)  # averagers skip parameters without gradients
-        params.append(p)
-    return params
+SHAPE_SETS = {BIG: resnet_like, TRANSFORMER: transformer_like, TINY: tiny_mlp}
 
 
 def polled_floor(flat: torch.Tensor, tag: str) -> None:
@@ -82,11 +75,6 @@ def peak_extra_mib(fn) -> float:
     before = rss_kib("VmRSS")
     fn()
     return max(0, rss_kib("VmHWM") - before) / 1024
-
-
-def slowest_rank(seconds: float, tag: str) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64)
-    return float(hvd.allreduce(t, op=hvd.Max, name=f"bench.time.{tag}"))
 
 
 def timed_interleaved(methods: dict, reps: int, tag: str) -> dict:
@@ -155,37 +143,35 @@ def main() -> None:
                 hvd.synchronize(h)
 
         methods = {
-            "hva.average_parameters": lambda: hva.average_parameters(params),
-            "PyTorch utils.average_parameters (Gloo)":
-                lambda: torch_averaging.average_parameters(iter(torch_params), dist.group.WORLD),
-            "Horovod per-tensor allreduce_async_": per_tensor,
-            "Horovod grouped_allreduce_":
-                lambda: hvd.grouped_allreduce_([p.data for p in grouped_params], op=hvd.Average,
-                                               name=f"bench.grouped.{tag}"),
-            "floor: one allreduce_ of a flat buffer":
-                lambda: hvd.allreduce_(flat, op=hvd.Average, name=f"bench.flat.{tag}"),
-            "floor, polled wait (as hva waits)": lambda: polled_floor(flat, tag),
-            "memcpy of the flat buffer": lambda: scratch.copy_(flat),
+            HVA: lambda: hva.average_parameters(params),
+            TORCH: lambda: torch_averaging.average_parameters(iter(torch_params), dist.group.WORLD),
+            PER_TENSOR: per_tensor,
+            GROUPED: lambda: hvd.grouped_allreduce_([p.data for p in grouped_params],
+                                                    op=hvd.Average, name=f"bench.grouped.{tag}"),
+            FLOOR: lambda: hvd.allreduce_(flat, op=hvd.Average, name=f"bench.flat.{tag}"),
+            FLOOR_POLLED: lambda: polled_floor(flat, tag),
+            MEMCPY: lambda: scratch.copy_(flat),
         }
         if size > 2:
-            methods["hva level: groups of 2"] = lambda: average_tensors(params, local_set)
-            methods["hva level: all ranks"] = lambda: average_tensors(params, hvd.global_process_set)
+            methods[PAIR_LEVEL] = lambda: average_tensors(params, local_set)
+            methods[GLOBAL_LEVEL] = lambda: average_tensors(params, hvd.global_process_set)
         reps = args.reps if numel > 1_000_000 else args.reps * 4
         if args.levels_only:
-            methods = {k: v for k, v in methods.items() if k.startswith("hva level") or k.startswith("floor")}
+            methods = {k: v for k, v in methods.items()
+                       if k in (PAIR_LEVEL, GLOBAL_LEVEL, FLOOR, FLOOR_POLLED)}
         results = timed_interleaved(methods, reps, tag)
         memory, non_firing_us = {}, None
         if not args.levels_only:
             # Peak extra memory of one call, after warm-up (the first hva call binds the storage).
             memory = {
-                "hva.average_parameters": peak_extra_mib(lambda: hva.average_parameters(params)),
-                "PyTorch utils.average_parameters (Gloo)": peak_extra_mib(
+                HVA: peak_extra_mib(lambda: hva.average_parameters(params)),
+                TORCH: peak_extra_mib(
                     lambda: torch_averaging.average_parameters(iter(torch_params), dist.group.WORLD)),
-                "floor: one allreduce_ of a flat buffer": peak_extra_mib(
+                FLOOR: peak_extra_mib(
                     lambda: hvd.allreduce_(flat, op=hvd.Average, name=f"bench.flat.{tag}")),
             }
             first_bind = make_params(shapes, seed=rank)
-            memory["hva first call (moves params into flat storage)"] = peak_extra_mib(
+            memory[FIRST_CALL] = peak_extra_mib(
                 lambda: hva.average_parameters(first_bind))
             del first_bind
 

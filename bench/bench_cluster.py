@@ -24,81 +24,21 @@ import torch
 
 import hvd_averaging as hva
 from hvd_averaging.rounds import average_tensors
-from hvd_averaging.routes import averaging_route
+from hvd_averaging.routes import averaging_route, routes
 from hvd_averaging.placement import rank_to_node
+from hvd_averaging.wire import Int8
 
-from bench_averaging import slowest_rank, timed_interleaved
-
-HOROVOD_FLAT = "Horovod allreduce_ of one flat buffer"
-HVA_FLAT = "hva, flat (one allreduce)"
-HVA_NODE_AWARE = "hva, node-aware"
-HVA_NODE_AWARE_FP16 = "hva, node-aware, fp16 wire"
-HVA_FLAT_FP16 = "hva, flat, fp16 wire"
-HVA_NODE_AWARE_INT8 = "hva, node-aware, int8 wire"
-INTRA_NODE = "hva inside one node (reference)"
-
-
-def link_bytes_per_rank(fn, ranks_on_node: int, index: int) -> float:
-    """Bytes one round of ``fn`` sent on this node's link (``eth0``'s transmit counter, shared
-    by the node's ranks), per rank: the largest node's, TCP/IP headers and Horovod's own
-    coordination included."""
-    hvd.barrier()
-    before = eth0_sent_bytes()
-    fn()
-    hvd.barrier()
-    per_rank = (eth0_sent_bytes() - before) / ranks_on_node
-    return slowest_rank(per_rank, f"link.{index}")
-
-
-def eth0_sent_bytes() -> int:
-    for line in Path("/proc/self/net/dev").read_text().splitlines():
-        name, _, counters = line.partition(":")
-        if name.strip() == "eth0":
-            return int(counters.split()[8])
-    return 0
+from bench_averaging import timed_interleaved
+from bench_common import equal_shapes, make_params, node_link_bytes, slowest_rank, stage_times
+from labels import (HOROVOD_FLAT, HVA_FLAT, HVA_FLAT_FP16, HVA_NODE_AWARE, HVA_NODE_AWARE_FP16,
+                    HVA_NODE_AWARE_INT8, INTRA_NODE)
 
 
 def int8_stage_times(params, reps: int) -> dict:
-    """Where an int8 node-aware round's time goes, per stage (slowest rank, min over ``reps``):
-    each stage's host work (quantizing, summing, dequantizing, launching) and its wait for the
-    collectives."""
-    from hvd_averaging.routes import routes
-    from hvd_averaging.wire import Int8
+    """Where an int8 node-aware round's time goes, per stage (see :func:`stage_times`)."""
     buffer = torch.cat([p.detach().reshape(-1) for p in params])
-    transport = routes().transport(hvd.global_process_set, buffer.numel() * 4, Int8())
-    per_stage: dict[str, list] = {}
-    for rep in range(reps + 1):
-        hvd.barrier()
-        stages = transport.stages([buffer.clone()], [f"bench.int8stages.{rep}"])
-        handles, index = next(stages), 0
-        while True:
-            start = time.perf_counter()
-            values = [hvd.synchronize(h) for h in handles]
-            waited = time.perf_counter() - start
-            start = time.perf_counter()
-            try:
-                handles = stages.send(values)
-            except StopIteration:
-                handles = None
-            work = time.perf_counter() - start
-            if rep:  # the first repetition warms up
-                per_stage.setdefault(f"stage {index}: wait", []).append(waited)
-                per_stage.setdefault(f"stage {index}: host work after it", []).append(work)
-            index += 1
-            if handles is None:
-                break
-    return {label: slowest_rank(min(t), f"int8stage.{i}") for i, (label, t) in enumerate(per_stage.items())}
-
-
-def make_params(total_mb: float, tensors: int, seed: int) -> list[torch.nn.Parameter]:
-    numel = int(total_mb * 2 ** 20 / 4 / tensors)
-    g = torch.Generator().manual_seed(seed)
-    params = []
-    for _ in range(tensors):
-        p = torch.nn.Parameter(torch.randn(numel, generator=g))
-        p.grad = torch.zeros_like(p)
-        params.append(p)
-    return params
+    route = routes().route(hvd.global_process_set, buffer.numel() * 4)
+    return stage_times(Int8().codec().transport(route), buffer, reps, "int8")
 
 
 class Compute:
@@ -174,7 +114,8 @@ def main() -> None:
         node_sets[node] = hva.process_set(group) if len(group) < size else hvd.global_process_set
     my_node_set = node_sets[nodes[rank]]
 
-    sets_of_params = {label: make_params(args.mb, args.tensors, seed=rank)
+    shapes = equal_shapes(args.mb, args.tensors)
+    sets_of_params = {label: make_params(shapes, seed=rank)
                       for label in (HVA_FLAT, HVA_NODE_AWARE, HVA_NODE_AWARE_FP16, HVA_FLAT_FP16,
                                   HVA_NODE_AWARE_INT8, INTRA_NODE)}
     numel = sum(p.numel() for p in sets_of_params[HVA_FLAT])
@@ -194,7 +135,7 @@ def main() -> None:
     }
     results = timed_interleaved(methods, args.reps, "cluster")
     for index, (label, fn) in enumerate(methods.items()):
-        results[label]["link_bytes_per_rank"] = link_bytes_per_rank(fn, len(node_ranks), index)
+        results[label]["link_bytes_per_rank"] = node_link_bytes(fn, len(node_ranks), index)
     nbytes = numel * 4
     # each node must receive 2 (n-1)/n of the buffer (reduce-scatter + allgather between nodes)
     link_limit_s = 2 * (node_count - 1) / node_count * nbytes * 8 / (args.rate_mbit * 1e6)
@@ -207,7 +148,7 @@ def main() -> None:
 
     if args.overlap:
         compute = Compute(args.step_ms / 1e3)
-        params = make_params(args.mb, args.tensors, seed=rank)
+        params = make_params(shapes, seed=rank)
         # One averaging must fit into `delay` steps of compute: measure both here (a short run
         # without averaging, one averaging round while training), then choose the delay with a
         # margin and the period just above it.

@@ -19,10 +19,9 @@ import time
 from pathlib import Path
 
 import run  # this folder's make bench driver: its launch of bench_averaging.py
+from labels import BIG, FLOOR, HVA, TINY, TRANSFORMER
 
 ROOT = Path(__file__).resolve().parents[1]
-HVA = "hva.average_parameters"
-FLOOR = "floor: one allreduce_ of a flat buffer"
 
 
 def worktree(revision: str, where: Path) -> Path:
@@ -47,7 +46,7 @@ def main() -> None:
     parser.add_argument("--np", type=int, default=2)
     parser.add_argument("--controllers", default="mpi,gloo")
     parser.add_argument("--shapes", nargs="*",
-                        default=["resnet-like 161 tensors", "transformer-like", "tiny MLP"])
+                        default=[BIG, TRANSFORMER, TINY])
     parser.add_argument("--out", type=Path, required=True, help="markdown report")
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="hva-revisions-"))

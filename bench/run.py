@@ -27,23 +27,15 @@ sys.path.insert(0, str(ROOT / "tools"))
 from cluster import Cluster, ClusterUnavailable, check_privileges  # noqa: E402
 from rank_output import launch_env  # noqa: E402
 
+from labels import (BIG, CLUSTER_METHODS, FLOOR, FLOOR_POLLED, GLOBAL_LEVEL, GROUPED, HVA,
+                    PAIR_LEVEL, PER_TENSOR, TINY, TORCH)
+
 CLUSTER_RATE_MBIT = 200
 # (controller, ranks per node, with the overlapped-training part). One rank per node: what the
 # transport reaches on this link when only two processes share the machine's CPUs.
 CLUSTER_RUNS = [("mpi", 2, True), ("mpi", 4, False), ("gloo", 2, False), ("mpi", 1, False),
                 ("gloo", 1, False)]
-C_HOROVOD, C_FLAT, C_NA, C_NA16, C_FLAT16, C_NA8, C_NODE = (
-    "Horovod allreduce_ of one flat buffer", "hva, flat (one allreduce)", "hva, node-aware",
-    "hva, node-aware, fp16 wire", "hva, flat, fp16 wire", "hva, node-aware, int8 wire",
-    "hva inside one node (reference)")
-HVA = "hva.average_parameters"
-TORCH = "PyTorch utils.average_parameters (Gloo)"
-FLOOR = "floor: one allreduce_ of a flat buffer"
-FLOOR_POLLED = "floor, polled wait (as hva waits)"
-GLOBAL_LEVEL = "hva level: all ranks"
-PAIR_LEVEL = "hva level: groups of 2"
-BIG = "resnet-like 161 tensors"
-TINY = "tiny MLP"
+C_HOROVOD, C_FLAT, C_NA, C_NA16, C_FLAT16, C_NA8, C_NODE = CLUSTER_METHODS
 RUNS = [("mpi", 2, "dynamic"), ("mpi", 4, "dynamic"), ("gloo", 2, "dynamic"), ("gloo", 4, "dynamic")]
 LEVEL_ROUNDS = 3  # static/dynamic launch pairs per controller
 
@@ -172,7 +164,7 @@ def grouped_bars(path: Path, groups: list[str], series: dict[str, list[float]], 
 
 def chart(reports: dict, path: Path) -> None:
     runs = [k for k in reports if k[2] == "dynamic"]
-    methods = [HVA, TORCH, "Horovod per-tensor allreduce_async_", "Horovod grouped_allreduce_", FLOOR]
+    methods = [HVA, TORCH, PER_TENSOR, GROUPED, FLOOR]
     grouped_bars(path, [f"{c.upper()} np={n}" for c, n, _ in runs],
                  {m: [reports[k]["shape_sets"][BIG]["methods"][m]["min_s"] * 1e3 for k in runs]
                   for m in methods},

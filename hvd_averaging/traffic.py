@@ -1,12 +1,15 @@
-"""What this rank's averaging rounds moved: public counters, kept across elastic resets."""
+"""What this rank's averaging rounds moved: public counters, kept across elastic resets; and
+what a network interface sent, as the kernel counts it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Optional
 
 from .world import current_world
 
-__all__ = ["TrafficCounters", "traffic", "reset_traffic", "count_round"]
+__all__ = ["TrafficCounters", "traffic", "reset_traffic", "count_round", "interface_tx_bytes"]
 
 
 @dataclass
@@ -64,3 +67,18 @@ def traffic() -> TrafficCounters:
 def reset_traffic() -> None:
     """Zero this rank's traffic counters."""
     current_world().component(_TrafficBook).counters = TrafficCounters()
+
+
+def interface_tx_bytes(interface: str) -> Optional[int]:
+    """Bytes sent by ``interface`` so far, from the kernel (``/proc/self/net/dev`` shows the
+    interfaces of this process's network namespace: on an emulated node, the node's link), or
+    None where there is no such interface."""
+    try:
+        lines = Path("/proc/self/net/dev").read_text().splitlines()[2:]
+    except OSError:
+        return None
+    for line in lines:
+        name, _, counters = line.partition(":")
+        if name.strip() == interface:
+            return int(counters.split()[8])  # the transmit side's first counter: bytes
+    return None

@@ -27,12 +27,13 @@ import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from hvd_averaging.gather_text import broadcast_text
+from hvd_averaging.traffic import interface_tx_bytes
 
 from hvd_averaging.examples.collectives import agreed_max, allgather_rows, allreduce, barrier
 
 __all__ = ["TrainingClock", "Snapshot", "Trainer", "RaceLimits", "run_method", "grid_times",
            "stop_at_sync_point",
-           "pick_on_grid", "evaluate_snapshots", "time_to_reach", "interface_tx_bytes",
+           "pick_on_grid", "evaluate_snapshots", "time_to_reach",
            "shared_folder"]
 
 
@@ -124,20 +125,6 @@ def pick_on_grid(snapshots: Sequence[Snapshot], grid: Sequence[float],
         later = [s for s in snapshots if s.seconds >= time_s]
         picked.append(later[0] if later else final)
     return picked
-
-
-def interface_tx_bytes(interface: str) -> Optional[int]:
-    """Bytes sent by ``interface`` so far, from the kernel (``/proc/self/net/dev`` shows the
-    interfaces of this process's network namespace: on an emulated node, the node's link)."""
-    try:
-        lines = Path("/proc/self/net/dev").read_text().splitlines()[2:]
-    except OSError:
-        return None
-    for line in lines:
-        name, _, counters = line.partition(":")
-        if name.strip() == interface:
-            return int(counters.split()[8])
-    return None
 
 
 def stop_at_sync_point(clock_s: float, steps: int, last_sync: Optional[tuple[float, int]],

@@ -14,6 +14,7 @@ import hvd_averaging as hva
 from helpers import expect_error_on_every_rank, param
 from hvd_averaging.rounds import average_tensors
 from hvd_averaging.routes import averaging_route
+from hvd_averaging.traffic import interface_tx_bytes
 from hvd_averaging.transports import FlatAllreduce, NodeAware, ReduceScatterAllgather
 from hvd_averaging.wire import COMPRESSION_CHOICES, Fp16Wire, fp16_error_bound, fp16_scale
 
@@ -79,11 +80,9 @@ STAGES_NEED_4_RANKS = "node-aware stages need at least 2 nodes of 2 ranks: runs 
 def link_sent_bytes() -> int:
     """Bytes this node has sent on its link to the other nodes, as the kernel counts them
     (``eth0`` of the node's network namespace, which every rank of the node shares)."""
-    for line in Path("/proc/self/net/dev").read_text().splitlines():
-        name, _, counters = line.partition(":")
-        if name.strip() == "eth0":
-            return int(counters.split()[8])  # transmit bytes
-    raise AssertionError("no eth0 in this rank's network namespace: not on an emulated node")
+    sent = interface_tx_bytes("eth0")
+    assert sent is not None, "no eth0 in this rank's network namespace: not on an emulated node"
+    return sent
 
 
 def test_route_follows_the_placement_and_counts_what_crosses(world, rank):
