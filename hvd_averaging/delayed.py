@@ -57,8 +57,9 @@ class DelayedAverage:
     sets every tensor to ``average(snapshot) + (tensor - snapshot)``: the average of the models
     at the start plus the local progress made since.
 
-    Memory: the snapshot (one copy of the tensors, in the dtype they travel in) and the buffer
-    the average arrives in (another copy, or half of one in float16), held only while in flight.
+    Memory: the snapshot and the buffer that travels (a copy of the tensors each, in their own
+    dtype), plus the wire format's buffers (float16: half a copy more), kept in the averager's
+    ``buffers`` for its next round.
     """
 
     def __init__(self, round_: Round, buffers: dict, snapshots: Optional[list[torch.Tensor]],

@@ -97,7 +97,3 @@ class Watchdog:
         if self._process is not None and self._owner_pid == os.getpid():
             self._send("disarm\n")
 
-    @property
-    def pid(self) -> Optional[int]:
-        """The helper's process id (None before first use)."""
-        return self._process.pid if self._process is not None else None

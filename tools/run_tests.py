@@ -1,5 +1,7 @@
-"""Run the whole suite: multi-process runs under horovodrun (MPI and Gloo, 2 and 4 ranks), then
-the single-process tests.
+"""Run the whole suite: the single-process tests first (a failure ends the run in seconds), then
+multi-process runs under horovodrun (MPI and Gloo, 2 and 4 ranks), fault and recipe launches,
+the emulated cluster, security, SLURM and the image; a stage that is skipped has a row saying
+why.
 
 Each multi-process run is one pytest session per rank over ``tests/multiprocess``; a failure on
 any rank fails the run (horovodrun exits non-zero) and that rank's output is shown. A run that
@@ -327,6 +329,15 @@ def run_docker_image(timeout_s: int) -> bool:
     return ok
 
 
+def run_unit_tests() -> bool:
+    """The single-process tests (tests/unit): schedules, topology, validation, the tools."""
+    print("\n=== unit tests: pytest -q tests/unit", flush=True)
+    done = subprocess.run([str(BIN / "python"), "-m", "pytest", "-q", "tests/unit"], cwd=ROOT,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    print(done.stdout, flush=True)  # through the stage log, which keeps a failure's tail
+    return done.returncode == 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--multiprocess-only", action="store_true",
@@ -340,6 +351,11 @@ def main() -> int:
     parser.add_argument("--timeout", type=int, default=300, help="seconds per multi-process run")
     args = parser.parse_args()
     log = StageLog()
+    if not (args.multiprocess_only or args.cluster_only or args.slurm_only):
+        # the pure-logic tests first: a failure there is known in seconds, not after the launches
+        if not log.run("unit tests", run_unit_tests):
+            print(f"\n{log.table()}\n{log.failure_report()}", flush=True)
+            return 1
     if args.slurm_only:
         slurm_tests.run_all(BIN, args.timeout, log)
         print(f"\n{log.table()}\n{log.failure_report()}", flush=True)
@@ -360,20 +376,19 @@ def main() -> int:
         security_tests.run_all(BIN, args.timeout, log)
     if not (args.cluster_only or args.multiprocess_only):
         slurm_tests.run_all(BIN, args.timeout, log)
-    if not (args.cluster_only or args.multiprocess_only or args.no_docker):
-        log.run("docker image", lambda: run_docker_image(1800))
+    if not (args.cluster_only or args.multiprocess_only):
+        if args.no_docker:
+            log.skip("docker image", "--no-docker")
+        else:
+            log.run("docker image", lambda: run_docker_image(1800))
     failed = log.failed()
     print(f"\n{log.table()}\n", flush=True)
-    print(f"multi-process runs: {len(log.stages) - len(failed)} passed, {len(failed)} failed",
-          flush=True)
-    unit_rc = 0
-    if not (args.multiprocess_only or args.cluster_only):
-        unit_rc = subprocess.run([str(BIN / "python"), "-m", "pytest", "-q", "tests/unit"],
-                                 cwd=ROOT).returncode
+    print(f"stages: {len(log.stages) - len(failed)} passed, {len(failed)} failed, "
+          f"{len(log.skipped)} skipped", flush=True)
     if failed:
         print(log.failure_report(), flush=True)
-        print(f"failed multi-process runs: {failed}", flush=True)
-    return 1 if failed or unit_rc else 0
+        print(f"failed stages: {failed}", flush=True)
+    return 1 if failed else 0
 
 if __name__ == "__main__":
     sys.exit(main())

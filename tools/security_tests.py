@@ -199,7 +199,7 @@ def run_all(bin_dir: Path, timeout_s: int, log: StageLog) -> None:
         check_slurm()
     except SlurmUnavailable as why:
         if os.environ.get("HVA_SKIP_SLURM") == "1":
-            print(f"\n=== security under SLURM skipped (HVA_SKIP_SLURM=1): {why}", flush=True)
+            log.skip("security: listening sockets, slurm", f"HVA_SKIP_SLURM=1 and {why}")
             kinds.remove("slurm")
     for kind in kinds:
         log.run(f"security: listening sockets, {kind}", lambda: run_launch(kind, bin_dir, timeout_s))

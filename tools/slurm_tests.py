@@ -255,7 +255,7 @@ def run_all(bin_dir: Path, timeout_s: int, log: StageLog) -> None:
         check_slurm()
     except (ClusterUnavailable, SlurmUnavailable) as why:
         if os.environ.get("HVA_SKIP_SLURM") == "1":
-            print(f"\n=== SLURM stage skipped (HVA_SKIP_SLURM=1): {why}", flush=True)
+            log.skip("SLURM", f"HVA_SKIP_SLURM=1 and {why}")
             return
         print(f"\n=== SLURM stage cannot run here: {why} (HVA_SKIP_SLURM=1 to skip it)", flush=True)
         log.run("SLURM (cannot run here)", lambda: False)

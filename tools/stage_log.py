@@ -1,5 +1,6 @@
-"""The test runner's record of its stages: pass or fail, how long each took, and for a failed
-stage the end of what it printed (repeated after the summary, where a CI log's tail shows it)."""
+"""The test runner's record of its stages: pass, fail or skipped (and why), how long each took,
+and for a failed stage the end of what it printed (repeated after the summary, where a CI log's
+tail shows it)."""
 
 from __future__ import annotations
 
@@ -29,11 +30,18 @@ class _Tee(io.TextIOBase):
 
 
 class StageLog:
-    """Runs stages one after another and remembers (label, passed, seconds) for each."""
+    """Runs stages one after another and remembers (label, passed, seconds) for each, and
+    the stages it was told to skip, with the reason."""
 
     def __init__(self) -> None:
         self.stages: list[tuple[str, bool, float]] = []
         self.failure_tails: dict[str, str] = {}
+        self.skipped: list[tuple[str, str]] = []
+
+    def skip(self, label: str, why: str) -> None:
+        """Record a stage that does not run (neither passed nor failed), and why."""
+        print(f"\n=== skipped: {label}: {why}", flush=True)
+        self.skipped.append((label, why))
 
     def run(self, label: str, stage: Callable[[], bool]) -> bool:
         start = time.monotonic()
@@ -60,6 +68,7 @@ class StageLog:
         """A Markdown table of every stage, then the total."""
         rows = [f"| {label} | {'ok' if ok else 'FAILED'} | {seconds:.0f} |"
                 for label, ok, seconds in self.stages]
+        rows += [f"| {label} | skipped: {why} | |" for label, why in self.skipped]
         total = sum(seconds for _, _, seconds in self.stages)
         return "\n".join(["| stage | result | seconds |", "|---|---|---|", *rows,
                           f"| all stages | | {total:.0f} |"])

@@ -6,7 +6,6 @@ both datasets ship with Python or scikit-learn.
 
 from __future__ import annotations
 
-import math
 import sysconfig
 from pathlib import Path
 from typing import Iterator
@@ -99,10 +98,6 @@ class CharLMTask:
         with torch.no_grad():
             return self.loss(model, self.eval_x, self.eval_y).item()
 
-    @staticmethod
-    def perplexity(loss: float) -> float:
-        return math.exp(loss)
-
     def inner_optimizer(self, params, lr: float) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
 
@@ -131,9 +126,6 @@ class DigitsTask:
 
     def describe(self) -> str:
         return f"digits MLP, {len(self.x_train)} training images"
-
-    def steps_per_epoch(self, size: int) -> int:
-        return len(self.x_train[0::size]) // self.batch_size
 
     def model(self, seed: int) -> torch.nn.Module:
         torch.manual_seed(seed)

@@ -5,9 +5,10 @@ Every way is a :class:`~.base.Transport`: ``stages(buffers, names)`` is a genera
 launches one stage's Horovod collectives, yields their handles, receives their results and
 finally returns the tensors holding the averages. :class:`~.base.Transfer` drives those stages
 without blocking (``advance``), so a round can stay in flight while training goes on.
-Bookkeeping (layouts, traffic counters, finite checks, bounded waits) is the caller's, in
-:mod:`hvd_averaging.rounds`; what the buffers become on the wire (float16, int8) is
-:mod:`hvd_averaging.wire`'s.
+Which way a round takes is :mod:`hvd_averaging.routes`' choice, what the buffers become on the
+wire (float16, int8) :mod:`hvd_averaging.wire`'s; a round's bookkeeping (layouts, traffic
+counters, finite checks) is :mod:`hvd_averaging.rounds`', its bounded wait
+:mod:`hvd_averaging.deadlines`'.
 
 - :mod:`.flat_allreduce`: one allreduce over the whole set (one node, or any set).
 - :mod:`.reduce_scatter_allgather`: a reduce-scatter then an allgather over the set.

@@ -59,10 +59,6 @@ class Transfer:
         self._handles: Optional[list] = None
         self._step(None, first=True)
 
-    @property
-    def done(self) -> bool:
-        return self._handles is None
-
     def _step(self, value, first: bool = False) -> None:
         try:
             self._handles = next(self._stages) if first else self._stages.send(value)

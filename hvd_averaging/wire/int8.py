@@ -46,84 +46,18 @@ from typing import Any, Optional
 
 import horovod.torch as hvd
 import torch
-import torch.nn.functional as F
 
 from ..routes import Route
 from ..transports.base import Stages, Transport
 from .base import AgreeFinite, WireFormat
+from .int8_blocks import (check_block_size, dequantize_blocks, pack_rows, piece_bounds,
+                          quantize_blocks, unpack_rows)
 from .registry import WIRE_FORMATS
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_PIECES", "check_block_size", "piece_bounds",
-           "quantize_blocks", "dequantize_blocks", "int8_error_bound", "window_absmax", "Residuals",
-           "Int8Exchange", "Int8"]
+__all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_PIECES", "Residuals", "Int8Exchange", "Int8"]
 
 DEFAULT_BLOCK_SIZE = 1024
 DEFAULT_PIECES = 4  # pieces per chunk in flight at once (pipelining; see Int8Exchange)
-_LEVELS = 127  # symmetric: -127..127, so that -x quantizes to -q
-
-
-def check_block_size(block_size: Any) -> int:
-    """``block_size`` if it is a positive int.
-
-    Raises:
-        ValueError: anything else (named).
-    """
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be a positive int (values per int8 scale), got "
-                         f"{block_size!r}")
-    return block_size
-
-
-def quantize_blocks(values: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of float32 ``values`` ``[rows, length]`` -> int8 ``[rows, length]`` and one float32
-    scale per block of ``block_size`` values ``[rows, ceil(length / block_size)]``; a value is
-    ``q * scale`` up to half a step.
-
-    Example::
-
-        >>> q, s = quantize_blocks(torch.tensor([[0.5, -1.0, 0.25]]), 2)
-        >>> q.tolist(), s.mul(127).tolist()
-        ([[64, -127, 127]], [[1.0, 0.25]])
-    """
-    rows, length = values.shape
-    blocks = -(-length // block_size)
-    padded = F.pad(values, (0, blocks * block_size - length)).reshape(rows, blocks, block_size)
-    scales = padded.abs().amax(dim=2).div_(_LEVELS)
-    divisors = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(2)
-    quantized = padded.div(divisors).round_().clamp_(-_LEVELS, _LEVELS).to(torch.int8)
-    return quantized.view(rows, blocks * block_size)[:, :length], scales
-
-
-def dequantize_blocks(quantized: torch.Tensor, scales: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Inverse of :func:`quantize_blocks`: float32 ``[rows, length]``."""
-    rows, length = quantized.shape
-    blocks = scales.shape[1]
-    values = torch.zeros(rows, blocks * block_size, dtype=torch.float32, device=quantized.device)
-    values[:, :length] = quantized
-    values.view(rows, blocks, block_size).mul_(scales.unsqueeze(2))
-    return values[:, :length]
-
-
-def _pack(quantized: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """One row of bytes per chunk: its int8 values, then its float32 scales."""
-    return torch.cat([quantized.view(torch.uint8), scales.contiguous().view(torch.uint8)], dim=1)
-
-
-def _unpack(packet: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return packet[:, :length].view(torch.int8), packet[:, length:].contiguous().view(torch.float32)
-
-
-def int8_error_bound(block_absmax: torch.Tensor, ranks: int) -> torch.Tensor:
-    """Elementwise bound on ``|int8 average - exact average|`` without error feedback, given the
-    largest magnitude any rank sends in each element's block (see the module docstring)."""
-    return block_absmax * (2 / 254 + 1 / 254 ** 2 + (ranks + 8) * 2.0 ** -24)
-
-
-def window_absmax(values: torch.Tensor, block_size: int) -> torch.Tensor:
-    """For rows of values ``[ranks, n]``: per element, the largest ``|x|`` on any rank within
-    ``block_size - 1`` positions (an upper bound of its block's ``A``, whatever the route)."""
-    peaks = values.abs().amax(dim=0).view(1, 1, -1).float()
-    return F.max_pool1d(peaks, 2 * block_size - 1, stride=1, padding=block_size - 1).view(-1)
 
 
 class Residuals:
@@ -154,24 +88,6 @@ class Residuals:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.kept = {key: torch.as_tensor(value, dtype=torch.float32).clone()
                      for key, value in state.get("residuals", {}).items()}
-
-
-def piece_bounds(chunk: int, block_size: int, pieces: int,
-                 min_blocks: int = 64) -> list[tuple[int, int]]:
-    """Split a chunk of ``chunk`` values into at most ``pieces`` runs that start on block
-    boundaries (so every block, and its scale, is the one the whole chunk would have), each of
-    at least ``min_blocks`` blocks where the chunk allows.
-
-    Example::
-
-        >>> piece_bounds(10, 2, 3, min_blocks=1)
-        [(0, 4), (4, 8), (8, 10)]
-    """
-    blocks = -(-chunk // block_size)
-    count = max(1, min(pieces, blocks // max(1, min_blocks)))
-    per_piece = -(-blocks // count) * block_size
-    return [(start, min(start + per_piece, chunk)) for start in range(0, chunk, per_piece)] \
-        or [(0, chunk)]
 
 
 class Int8Exchange(Transport):
@@ -232,7 +148,7 @@ class Int8Exchange(Transport):
         for index, start, end, name, piece, handle in sent:
             (answer,) = yield [handle]  # the later pieces still travel meanwhile
             packet = answer[0] if isinstance(answer, (tuple, list)) else answer
-            quantized, scales = _unpack(packet, end - start)
+            quantized, scales = unpack_rows(packet, end - start)
             average = dequantize_blocks(quantized, scales, block).sum(dim=0, keepdim=True)
             average.div_(members)
             self._feed_back(average, f"{index}.owned", rows[index][:1], start, end)
@@ -241,7 +157,7 @@ class Int8Exchange(Transport):
                 packet, process_set=self.process_set, name=f"{name}.int8_allgather.{piece}")))
         gathered = yield [handle for _, _, _, handle in gathers]
         for (index, start, end, _), packet in zip(gathers, gathered):
-            quantized, scales = _unpack(packet, end - start)
+            quantized, scales = unpack_rows(packet, end - start)
             rows[index][:, start:end] = dequantize_blocks(quantized, scales, block)
         for buffer, values in zip(buffers, rows):
             buffer.copy_(values.view(-1)[:buffer.numel()].view_as(buffer))
@@ -265,7 +181,7 @@ class Int8Exchange(Transport):
         quantized, scales = quantize_blocks(values, self.block_size)
         if lost is not None:
             lost[:, start:end] = values - dequantize_blocks(quantized, scales, self.block_size)
-        return _pack(quantized, scales)
+        return pack_rows(quantized, scales)
 
     def _packet_bytes(self, numel: int) -> int:
         chunk = self._chunk(numel)

