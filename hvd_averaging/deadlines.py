@@ -237,6 +237,10 @@ def check_environment() -> None:
     """
     DEADLINES.timeout()
     DEADLINES.exit_after_timeout()
+    record_dir = os.environ.get("HVA_WATCHDOG_RECORD_DIR")
+    if record_dir and not os.path.isdir(record_dir):
+        raise ValueError(f"HVA_WATCHDOG_RECORD_DIR={record_dir!r} must name an existing folder "
+                         "(the watchdog leaves a record there for each rank it ends)")
 
 
 def bounded_collective(what: str, nbytes: int = 0, started_at: Optional[float] = None):

@@ -11,6 +11,10 @@ pipe ``FD``:
   SIGKILL two seconds later if it is still there; then end the launcher (below);
 * ``disarm``: forget the deadline.
 
+Where ``HVA_WATCHDOG_RECORD_DIR`` names a folder, the watchdog also leaves there, before it ends
+the parent, ``watchdog-PID.json``: the parent's pid, the message and the time. A job script
+reads it where the rank's stderr never reaches the launcher (a node behind a cut link).
+
 End of file on the pipe means the parent is gone. If a deadline was armed (the parent died
 during a collective or after a timeout), the watchdog lets go of the rank's stderr (a launcher
 forwarding it waits for end of file), waits for the deadline and then ends the launcher;
@@ -26,11 +30,29 @@ Being a separate process is the point: a parent blocked inside Horovod's C++ cod
 the GIL cannot run a Python thread, but this process still can.
 """
 
+import json
 import os
 import select
 import signal
 import sys
 import time
+
+RECORD_DIR_VARIABLE = "HVA_WATCHDOG_RECORD_DIR"
+
+
+def _leave_record(parent: int, message: str) -> None:
+    """``watchdog-PARENT.json`` in the folder ``HVA_WATCHDOG_RECORD_DIR`` names, if any (written
+    whole, then renamed, so a reader never sees half of it)."""
+    folder = os.environ.get(RECORD_DIR_VARIABLE)
+    if not folder:
+        return
+    path = os.path.join(folder, f"watchdog-{parent}.json")
+    try:
+        with open(path + ".partial", "w") as record:
+            json.dump({"pid": parent, "message": message, "time": time.time()}, record)
+        os.replace(path + ".partial", path)
+    except OSError as error:
+        sys.stderr.write(f"hvd_averaging watchdog: cannot write {path}: {error}\n")
 
 
 def _start_time(pid: int) -> str:
@@ -75,6 +97,7 @@ def main(parent: int, fd: int, launcher: int) -> int:
             if not parent_gone:
                 sys.stderr.write(message + "\n")
                 sys.stderr.flush()
+                _leave_record(parent, message)
                 _end(parent, parent_started)
             if launcher and _end(launcher, launcher_started) and not parent_gone:
                 sys.stderr.write(f"hvd_averaging watchdog: ended the launcher (pid {launcher}) "

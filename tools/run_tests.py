@@ -24,6 +24,7 @@ import cluster_tests
 import security_tests
 import slurm_tests
 from rank_output import EVERY_TEST_RUNS_FROM_RANKS, rank_summaries, suite_passed, test_launch_env
+from rank_records import TIMEOUT_ERRORS, read_accounts
 from stage_log import StageLog
 
 from hvd_averaging.examples.methods import DEFAULT_METHODS
@@ -123,26 +124,42 @@ FAULT_BOUND_S = 60
 
 
 def run_rank_death(controller: str, np: int, die_at: int) -> bool:
-    """A rank exits mid-training: the job must stop, non-zero, within FAULT_BOUND_S seconds."""
+    """A rank exits mid-training: the job must stop, non-zero, within FAULT_BOUND_S seconds;
+    rank 1's record says it died at ``die_at`` and every other rank accounts for itself (a named
+    error, the watchdog, or the launcher's SIGTERM with the place it was ended), none completed."""
+    import tempfile
     label = f"rank death: {controller} np={np}, rank 1 exits at step {die_at} " \
             f"({'firing' if die_at % 4 == 0 else 'non-firing'})"
-    cmd = [str(BIN / "horovodrun"), f"--{controller}", "-np", str(np), "-H", f"localhost:{np}",
-           str(BIN / "python"), "tests/faults/rank_dies.py", "--die-at", str(die_at)]
-    print(f"\n=== {label}: {' '.join(cmd[1:])}", flush=True)
-    start = time.monotonic()
-    out, rc = launch(cmd, test_launch_env(HVA_TIMEOUT_SECONDS="20"), FAULT_BOUND_S)
-    if rc is None:
-        print(out, flush=True)
-        print(f"=== FAILED: {label}: still running after {FAULT_BOUND_S} s (a hang)", flush=True)
-        return False
-    elapsed = time.monotonic() - start
-    ok = (rc != 0 and "rank 1 exits at step" in out
-          and "reached the end of training" not in out)
+    with tempfile.TemporaryDirectory() as records:
+        cmd = [str(BIN / "horovodrun"), f"--{controller}", "-np", str(np), "-H", f"localhost:{np}",
+               str(BIN / "python"), "tests/faults/rank_dies.py", "--die-at", str(die_at),
+               "--record-dir", records]
+        print(f"\n=== {label}: {' '.join(cmd[1:])}", flush=True)
+        start = time.monotonic()
+        out, rc = launch(cmd, test_launch_env(HVA_TIMEOUT_SECONDS="20",
+                                              HVA_WATCHDOG_RECORD_DIR=records), FAULT_BOUND_S)
+        elapsed = time.monotonic() - start
+        accounts = read_accounts(Path(records), np)
+    problems = [] if rc is not None else [f"still running after {FAULT_BOUND_S} s (a hang)"]
+    if rc == 0:
+        problems.append("the launcher exited 0")
+    dead = accounts[1]
+    if dead.how != "exits on purpose" or dead.step != die_at:
+        problems.append(f"rank 1 should have exited on purpose at step {die_at}: {dead}")
+    for rank, account in accounts.items():
+        if rank == 1:
+            continue
+        if account.how == "raised" and account.record["error_type"] not in TIMEOUT_ERRORS:
+            problems.append(f"{account}: not a timeout or Horovod's error: "
+                            f"{account.record['error_message']}")
+        elif account.how not in ("raised", "watchdog", "signal"):
+            problems.append(f"does not account for itself: {account}")
+    ok = not problems
     if not ok:
         print(out, flush=True)
-    stop = [line.strip() for line in out.splitlines()
-            if "Exit code" in line or "exit with status code" in line or "AveragingTimeoutError" in line]
-    print(f"    job ended with exit code {rc} after {elapsed:.1f} s; {' | '.join(stop[:3])}")
+    print(f"    job ended with exit code {rc} after {elapsed:.1f} s", flush=True)
+    for line in [*map(str, accounts.values()), *problems]:
+        print(f"    {line}", flush=True)
     print(f"=== {'ok' if ok else 'FAILED'}: {label} ({elapsed:.0f} s)", flush=True)
     return ok
 
@@ -152,22 +169,62 @@ SETUP_STALL_BOUND_S = 30  # timeout 3 s + the watchdog's grace 2 s + the launche
 
 def run_setup_stall() -> bool:
     """A process-set registration only rank 0 makes: the job ends within SETUP_STALL_BOUND_S,
-    non-zero, the watchdog naming the registration (at 390992b it waited forever)."""
+    non-zero; rank 0's watchdog record names the registration and the timeout (at 390992b it
+    waited forever), rank 1 was ended by the launcher where it waited."""
+    import tempfile
     label = "set-up stall: mpi np=2, rank 0 registers a process set alone"
-    cmd = [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", str(BIN / "python"),
-           "tests/faults/setup_stall.py"]
+    timeout_s = 3
     print(f"\n=== {label}", flush=True)
-    start = time.monotonic()
-    out, rc = launch(cmd, test_launch_env(HVA_TIMEOUT_SECONDS="3"), SETUP_STALL_BOUND_S + 30)
-    elapsed = time.monotonic() - start
-    named = [line.strip() for line in out.splitlines()
-             if "watchdog" in line and "registering process set [0]" in line]
-    ok = rc not in (0, None) and elapsed <= SETUP_STALL_BOUND_S and bool(named) \
-        and "which cannot happen" not in out
-    print(out if not ok else f"    job ended with exit code {rc} after {elapsed:.1f} s; {named[0][:300]}",
-          flush=True)
+    with tempfile.TemporaryDirectory() as records:
+        cmd = [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", str(BIN / "python"),
+               "tests/faults/setup_stall.py", "--record-dir", records]
+        start = time.monotonic()
+        out, rc = launch(cmd, test_launch_env(HVA_TIMEOUT_SECONDS=str(timeout_s),
+                                              HVA_WATCHDOG_RECORD_DIR=records),
+                         SETUP_STALL_BOUND_S + 30)
+        elapsed = time.monotonic() - start
+        accounts = read_accounts(Path(records), 2)
+    problems = [] if rc not in (0, None) and elapsed <= SETUP_STALL_BOUND_S else \
+        [f"exit code {rc} after {elapsed:.1f} s (bound {SETUP_STALL_BOUND_S} s)"]
+    stalled, waiting = accounts[0], accounts[1]
+    # by meaning: the watchdog names the call it ended and the timeout it allowed
+    if stalled.how != "watchdog" or "registering process set [0]" not in stalled.detail \
+            or f"HVA_TIMEOUT_SECONDS={timeout_s}" not in stalled.detail:
+        problems.append(f"rank 0 should be ended by the watchdog naming the registration: {stalled}")
+    if waiting.how not in ("signal", "watchdog"):
+        problems.append(f"rank 1 does not account for itself: {waiting}")
+    ok = not problems
+    if not ok:
+        print(out, flush=True)
+    print(f"    job ended with exit code {rc} after {elapsed:.1f} s", flush=True)
+    for line in [*map(str, accounts.values()), *problems]:
+        print(f"    {line[:400]}", flush=True)
     print(f"=== {'ok' if ok else 'FAILED'}: {label} ({elapsed:.0f} s)", flush=True)
     return ok
+
+
+ELASTIC_BATCHES = 41  # tests/faults/elastic_shrink.py's
+
+
+def elastic_shrink_problems(records: Path) -> list[str]:
+    """The final world's records (tests/faults/elastic_shrink.py): 3 ranks, each with the
+    averagers' steps equal to the batch count and the hierarchy refit to 3 ranks, and the
+    parameters, DiLoCo's parameters and global copies bit-identical across the ranks."""
+    found = {int(p.stem.rsplit("rank", 1)[1]): json.loads(p.read_text())
+             for p in records.glob("final-rank*.json")}
+    if sorted(found) != [0, 1, 2]:
+        return [f"records from final ranks {sorted(found)}, expected [0, 1, 2]"]
+    problems = []
+    for rank, r in sorted(found.items()):
+        if (r["size"], r["averager_step"], r["diloco_step"]) != (3, ELASTIC_BATCHES, ELASTIC_BATCHES):
+            problems.append(f"rank {rank}: size {r['size']}, steps {r['averager_step']}/"
+                            f"{r['diloco_step']} (expected 3, {ELASTIC_BATCHES})")
+        if r["levels"] != {"2": 1, "4": 3} or r["resets"] < 1:
+            problems.append(f"rank {rank}: levels {r['levels']}, resets {r['resets']}")
+    for digest in ("parameters_digest", "outer_parameters_digest", "global_copy_digest"):
+        if len({r[digest] for r in found.values()}) != 1:
+            problems.append(f"{digest} differs across ranks")
+    return problems
 
 
 def run_elastic_shrink(timeout_s: int) -> bool:
@@ -183,13 +240,20 @@ def run_elastic_shrink(timeout_s: int) -> bool:
            "tests/faults/elastic_shrink.py"]
     print(f"\n=== {label}: {' '.join(cmd[1:])}", flush=True)
     start = time.monotonic()
-    try:
-        out, rc = launch(cmd, test_launch_env(HVA_ELASTIC_HOSTS_FILE=hosts.name), timeout_s)
-    finally:
-        os.unlink(hosts.name)
-    ok = rc == 0 and "elastic ok: resumed on 3 ranks" in out
-    lines = [l for l in out.splitlines() if "size 3, resets" in l or "elastic ok" in l]
+    with tempfile.TemporaryDirectory() as records:
+        try:
+            out, rc = launch(cmd, test_launch_env(HVA_ELASTIC_HOSTS_FILE=hosts.name,
+                                                  HVA_RECORD_DIR=records), timeout_s)
+        finally:
+            os.unlink(hosts.name)
+        problems = elastic_shrink_problems(Path(records))
+    if rc != 0:
+        problems.insert(0, f"exit code {rc}")
+    ok = not problems
+    lines = [l for l in out.splitlines() if "averager step" in l and "resets" in l]
     print(out if not ok else "\n".join(lines), flush=True)
+    for problem in problems:
+        print(f"    {problem}", flush=True)
     print(f"=== {'ok' if ok else 'FAILED'}: {label} ({time.monotonic() - start:.0f} s)", flush=True)
     return ok
 

@@ -3,11 +3,13 @@ nodes cut, a node lost, a link too slow for the timeout):
 
     horovodrun --gloo -np 4 -H n0:2,n1:2 python tests/faults/cluster_train.py --checkpoint-dir D
 
-Every rank prints ``cluster_train: rank R step S`` at each firing step. A user's ``except``
-block: on ``AveragingTimeoutError`` or ``HorovodInternalError`` the rank prints what it caught,
-saves a checkpoint (model, optimizer and averager state) to ``D/rank{R}.pt``, prints
-``checkpoint saved`` and re-raises, so the process ends non-zero. The runner checks the times,
-the messages and that the checkpoints load.
+Every rank prints ``cluster_train: rank R step S`` at each firing step (the runner injects the
+fault when rank 0 reaches step 10) and keeps its record in ``D/rankR.json``
+(:mod:`rank_record`). A user's ``except`` block: on ``AveragingTimeoutError`` or
+``HorovodInternalError`` the rank records what it caught, saves a checkpoint (model, optimizer and
+averager state) to ``D/rank{R}.pt``, records its path and the digest of its values, and re-raises,
+so the process ends non-zero. The runner judges from the records: the times, the errors, that the
+checkpoints load and hold the values recorded.
 """
 import argparse
 import os
@@ -19,6 +21,8 @@ import torch
 from horovod.common.exceptions import HorovodInternalError
 
 import hvd_averaging as hva
+from hvd_averaging.gather_text import allgather_text
+from rank_record import RankRecord
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=400)
@@ -34,7 +38,8 @@ if args.group_sizes:
 else:
     hva.init()
 rank = hvd.rank()
-hosts = hvd.allgather_object(os.uname().nodename, name="cluster_train.hosts")
+record = RankRecord(Path(args.checkpoint_dir), rank)
+hosts = allgather_text(os.uname().nodename, name="cluster_train.hosts", what="host names")
 node_peers = [r for r, host in enumerate(hosts) if host == hosts[rank] and r != rank]
 torch.manual_seed(rank)
 model = torch.nn.Linear(args.numel // 10, 10, bias=False)
@@ -50,20 +55,23 @@ try:
         model(torch.randn(8, args.numel // 10)).square().mean().backward()
         time.sleep(args.step_seconds)
         started = time.monotonic()
+        record.update(step=step, inside="optimizer.step")
         optimizer.step()
+        record.update(inside=None)
         if step % args.period == 0:
             print(f"cluster_train: rank {rank} step {step} averaged in "
                   f"{time.monotonic() - started:.2f} s", flush=True)
 except (hva.AveragingTimeoutError, HorovodInternalError) as error:
-    caught = f"cluster_train: rank {rank} caught {type(error).__name__} at step {step}: {error}"
-    print(caught, flush=True)
-    # Output from a node behind a cut link never reaches the launcher: leave it in a file too.
-    (Path(args.checkpoint_dir) / f"rank{rank}.caught").write_text(caught)
+    # Output from a node behind a cut link never reaches the launcher: the record does.
+    record.caught(error, step)
+    print(f"cluster_train: rank {rank} caught {type(error).__name__} at step {step}: {error}",
+          flush=True)
     path = Path(args.checkpoint_dir) / f"rank{rank}.pt"
     partial = path.with_suffix(".partial")  # renamed when whole: peers wait for the name
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
                partial)
     os.replace(partial, path)
+    record.saved(path, model.state_dict())
     print(f"cluster_train: rank {rank} checkpoint saved to {path}", flush=True)
     # Under Gloo, a rank that exits closes its sockets, and a peer whose timed-out round is
     # still pending in Horovod's background thread aborts on that (gloo::IoException), maybe
@@ -74,5 +82,7 @@ except (hva.AveragingTimeoutError, HorovodInternalError) as error:
     while time.monotonic() < deadline and not all(
             (Path(args.checkpoint_dir) / f"rank{peer}.pt").exists() for peer in node_peers):
         time.sleep(0.05)
+    record.update(exit="raised")
     raise
+record.update(step=step, exit="completed")
 print(f"cluster_train: rank {rank} reached the end of training", flush=True)

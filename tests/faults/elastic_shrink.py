@@ -9,9 +9,12 @@ every process set) and resumes from the last commit. The averager's step is comm
 its hierarchy ({2: 1, 4: world}: a level that fits any size, everyone every 4 steps) is
 rebuilt for 3 ranks as {2: 1, 4: 3}. A DiLoCo (outer step every 4 batches) rolls back with it:
 its global copy, made from each rank's own initial weights, is rank 0's from the first sync on,
-and its state is restored locally after the failure. At the end every rank checks, against the others, that the step matches the batch
-count and that the parameters are equal after the final all-rank averaging.
+and its state is restored locally after the failure. At the end every rank of the final world
+writes ``HVA_RECORD_DIR/final-rank{R}.json`` (world size, resets, steps, levels, digests of its
+parameters, its DiLoCo parameters and global copy); the runner checks that there are 3, that
+each step matches the batch count and that the digests are equal across ranks.
 """
+import json
 import os
 import warnings
 from pathlib import Path
@@ -21,6 +24,7 @@ import torch
 
 import hvd_averaging as hva
 import hvd_averaging.elastic  # noqa: F401  (registers the averager with TorchState)
+from hvd_averaging.agreement import tensor_digest
 from elastic_step import train_step, train_step_diloco
 from hvd_averaging.process_sets import dynamic_process_sets_enabled
 
@@ -63,21 +67,15 @@ def train(state):
 
 
 train(state)
-size = hvd.size()
-weights = hvd.allgather(model.weight.detach().reshape(1, -1), name="elastic.final")
-steps = hvd.allgather_object(state.averager.step, name="elastic.steps")
-levels = state.averager.period_group_size_dict
-outer = hvd.allgather(outer_model.weight.detach().reshape(1, -1), name="elastic.diloco")
-globals_ = hvd.allgather(diloco.global_parameters[0].detach().reshape(1, -1), name="elastic.global")
-diloco_steps = hvd.allgather_object(diloco.averager.step, name="elastic.diloco.steps")
-print(f"rank {hvd.rank()}: size {size}, resets {state.resets}, steps {steps}, levels {levels}", flush=True)
-assert size == 3, size
-assert steps == [BATCHES] * size, steps
-assert levels == {2: 1, 4: 3}, levels
-assert torch.equal(weights.min(0).values, weights.max(0).values), "parameters differ after the final averaging"
-assert diloco_steps == [BATCHES] * size, diloco_steps
-assert torch.equal(globals_.min(0).values, globals_.max(0).values), "DiLoCo's global copies differ"
-assert torch.equal(outer.min(0).values, outer.max(0).values), "parameters differ after the outer step"
-if hvd.rank() == 0:
-    print(f"elastic ok: resumed on {size} ranks, averager step {steps[0]} on every rank, "
-          "parameters equal after the final averaging, DiLoCo's global copy equal on every rank", flush=True)
+# Each rank of the final world leaves its account; the runner compares them across ranks.
+record = {"rank": hvd.rank(), "size": hvd.size(), "resets": state.resets,
+          "averager_step": state.averager.step, "diloco_step": diloco.averager.step,
+          "levels": state.averager.period_group_size_dict,
+          "parameters_digest": tensor_digest([model.weight]),
+          "outer_parameters_digest": tensor_digest([outer_model.weight]),
+          "global_copy_digest": tensor_digest(diloco.global_parameters)}
+folder = Path(os.environ["HVA_RECORD_DIR"])
+(folder / f"final-rank{hvd.rank()}.partial").write_text(json.dumps(record))
+os.replace(folder / f"final-rank{hvd.rank()}.partial", folder / f"final-rank{hvd.rank()}.json")
+print(f"rank {hvd.rank()}: size {hvd.size()}, resets {state.resets}, averager step "
+      f"{state.averager.step}, levels {state.averager.period_group_size_dict}", flush=True)

@@ -20,10 +20,10 @@ print("woke up", flush=True)
 """
 
 
-def run_child(arm_s, action, sleep_s):
+def run_child(arm_s, action, sleep_s, env=None):
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", CHILD, str(arm_s), action, str(sleep_s)],
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=60, env=env)
     return proc, time.monotonic() - start
 
 
@@ -33,6 +33,20 @@ def test_armed_deadline_ends_a_blocked_process_with_its_message():
     assert "blocked: test round at step 7" in proc.stderr
     assert "woke up" not in proc.stdout
     assert seconds < 15, seconds
+
+
+def test_the_watchdog_leaves_a_record_of_the_process_it_ended(tmp_path):
+    import json
+    import os
+    env = dict(os.environ, HVA_WATCHDOG_RECORD_DIR=str(tmp_path))
+    proc, _ = run_child(1.0, "keep", 30, env)
+    assert proc.returncode == -15, (proc.returncode, proc.stderr)
+    (record_path,) = tmp_path.glob("watchdog-*.json")
+    record = json.loads(record_path.read_text())
+    assert record_path.name == f"watchdog-{record['pid']}.json"
+    assert record["message"] == "blocked: test round at step 7" and record["time"] > 0
+    proc, _ = run_child(0.5, "disarm", 2, env)  # a disarmed deadline leaves none
+    assert proc.returncode == 0 and len(list(tmp_path.glob("watchdog-*.json"))) == 1
 
 
 def test_disarmed_deadline_leaves_the_process_alone():
@@ -81,7 +95,8 @@ def test_a_watchdog_that_cannot_start_warns_once_naming_why(monkeypatch):
 
 @pytest.mark.parametrize("variable,value", [("HVA_EXIT_AFTER_TIMEOUT_SECONDS", "soon"),
                                             ("HVA_EXIT_AFTER_TIMEOUT_SECONDS", "-3"),
-                                            ("HVA_TIMEOUT_SECONDS", "inf")])
+                                            ("HVA_TIMEOUT_SECONDS", "inf"),
+                                            ("HVA_WATCHDOG_RECORD_DIR", "/no/such/folder")])
 def test_malformed_settings_fail_at_init_naming_variable_and_value(variable, value):
     """hva.init() (a real one-rank Horovod in a child process) raises ValueError naming the
     variable, its value and the rule; at the commit before this test a malformed
@@ -92,4 +107,5 @@ def test_malformed_settings_fail_at_init_naming_variable_and_value(variable, val
                           capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode != 0
     assert f"ValueError: {variable}={value!r}" in proc.stderr
-    assert "number of seconds" in proc.stderr
+    assert ("existing folder" if variable == "HVA_WATCHDOG_RECORD_DIR" else "number of seconds") \
+        in proc.stderr
