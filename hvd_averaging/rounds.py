@@ -138,6 +138,29 @@ class Round:
                 f"rank {error.rank} holds NaN/Inf (see its error); nothing was averaged")) from None
 
 
+def _packed_and_checked(book: RoundBook, tensors: list[torch.Tensor], name: str, bind: bool,
+                        check_finite: bool, what: str) -> tuple[Optional[Packing], bool,
+                                                                Optional[Exception]]:
+    """This rank alone: the tensors packed and copied in; whether the list is new (seen for the
+    first time, or re-bound: then the ranks compare layouts); what this rank cannot average."""
+    packing = book.cached_packing(tensors, name, bind)
+    new_list = packing is None and bind
+    if packing is None:
+        try:
+            check_local_layout(tensors)
+            packing = book.new_packing(tensors, name, bind)
+        except (TypeError, ValueError) as error:
+            return None, new_list, error
+    if packing.layout_digest is None:
+        packing.layout_digest = config_digest(packing.layout)
+    for slab in packing.slabs:
+        slab.copy_in()
+    where = first_non_finite(packing) if check_finite else None
+    error = NonFiniteError(f"{what}: {where}; refusing to average it into every rank's model") \
+        if where is not None else None
+    return packing, new_list, error
+
+
 def begin_round(tensors: list[torch.Tensor], process_set: Optional[hvd.ProcessSet], *, name: str,
                 bind: bool, check_finite: bool, context: str, compression,
                 node_aware: Optional[bool]) -> Optional[Round]:
@@ -152,36 +175,18 @@ def begin_round(tensors: list[torch.Tensor], process_set: Optional[hvd.ProcessSe
     set_id = process_set.process_set_id
     set_ranks = members(process_set)
     what = f"{context} over process set {set_ranks} ({name!r}, {len(tensors)} tensors)"
-    local_error = None
-    packing = book.cached_packing(tensors, name, bind)
-    new_list = packing is None and bind  # a list seen for the first time (or re-bound) is checked
-    if packing is None:
-        try:
-            check_local_layout(tensors)
-            packing = book.new_packing(tensors, name, bind)
-        except (TypeError, ValueError) as error:
-            local_error = error
-    if packing is not None:
-        if packing.layout_digest is None:
-            packing.layout_digest = config_digest(packing.layout)
-        for slab in packing.slabs:
-            slab.copy_in()
-        if check_finite and len(set_ranks) > 1:
-            where = first_non_finite(packing)
-            if where is not None:
-                local_error = NonFiniteError(
-                    f"{what}: {where}; refusing to average it into every rank's model")
-    agreed_key = (set_id, name)
+    packing, new_list, local_error = _packed_and_checked(
+        book, tensors, name, bind, check_finite and len(set_ranks) > 1, what)
     # the wire format too: ranks that pass different compression= are told, not left waiting
     layout = (packing.layout_digest, repr(codec.format.spec())) if packing is not None else None
-    if (local_error is not None or check_finite or new_list
-            or book.agreed_layouts.get(agreed_key) != layout):
+    # Ranks compare when one of them may differ: an error here, a new list, another layout or
+    # format than last agreed; and every round with check_finite (its NaN verdict travels too).
+    agreed_key = (set_id, name)
+    if local_error is not None or check_finite or new_list \
+            or book.agreed_layouts.get(agreed_key) != layout:
         dtypes = sorted({str(t.dtype).replace("torch.", "") for t in tensors})
         check_same_on_all_ranks(
-            f"the tensors of {what}",
-            layout,
-            local_error=local_error,
-            process_set=process_set,
+            f"the tensors of {what}", layout, local_error=local_error, process_set=process_set,
             name=f"hva.layout.{set_id}.{name}",
             summary=f"{len(tensors)} tensors ({sum(t.numel() for t in tensors)} elements, dtypes "
                     f"{dtypes}) in wire format {codec.format.spec()!r}")

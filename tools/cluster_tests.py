@@ -26,6 +26,7 @@ import torch
 
 from cluster import Cluster
 from rank_output import rank_summaries, suite_passed, test_launch_env
+from rank_records import TIMEOUT_ERRORS, fault_problems, ranks_on, read_accounts
 from stage_log import StageLog
 
 __all__ = ["run_all"]
@@ -173,33 +174,20 @@ def _run_with_fault(cluster: Cluster, argv: list[str], env: dict, trigger: str,
                         fault_at[0] - start if fault_at else None, over, checkpoint_dir)
 
 
-def _caught_by_rank(directory: Path) -> dict[int, str]:
-    return {int(p.stem[4:]): p.read_text() for p in directory.glob("rank*.caught")}
-
-
-def _checkpoints_load(directory: Path, ranks) -> list[str]:
-    problems = []
-    for rank in ranks:
-        path = directory / f"rank{rank}.pt"
-        try:
-            state = torch.load(path, weights_only=True)
-            # the averager's step at the optimizer's top level, PyTorch's form
-            if not {"model", "optimizer", "step"} <= set(state) or \
-                    not isinstance(state["optimizer"].get("step"), int):
-                problems.append(f"{path.name} lacks model/optimizer/the averager's step")
-        except Exception as error:  # noqa: BLE001 - reported as a failure
-            problems.append(f"{path.name}: {type(error).__name__}: {error}")
-    return problems
-
-
 def _train_argv(checkpoint_dir: Path, *extra: str) -> list[str]:
     return [_python(), "-u", str(ROOT / "tests/faults/cluster_train.py"),
             "--checkpoint-dir", str(checkpoint_dir), *extra]
 
 
+def _fault_env(records: Path) -> dict:
+    """The fault timeout, and the watchdog's records beside the ranks' own."""
+    return test_launch_env(HVA_TIMEOUT_SECONDS=str(FAULT_TIMEOUT_S),
+                           HVA_WATCHDOG_RECORD_DIR=str(records))
+
+
 def _fault_launch(cluster: Cluster, controller: str, checkpoints: Path, *extra: str):
     """argv and environment of cluster_train.py on 2 nodes x 2 ranks with the fault timeout."""
-    env = test_launch_env(HVA_TIMEOUT_SECONDS=str(FAULT_TIMEOUT_S))
+    env = _fault_env(checkpoints)
     argv = _mpirun(cluster, 2, env) if controller == "mpi" \
         else _horovodrun(cluster, "gloo", 2)
     return argv + _train_argv(checkpoints, *extra), env
@@ -218,6 +206,25 @@ def _report(label: str, ok: bool, outcome: FaultOutcome, notes: list[str]) -> bo
     return ok
 
 
+def _judge_fault(label: str, outcome: FaultOutcome, ranks: int, lost_node: Optional[str],
+                 bound: float, every_rank_raises: bool = False) -> bool:
+    """The job is over within ``bound`` seconds of the fault, non-zero, and the records show
+    every rank off ``lost_node`` accounting for itself (:func:`fault_problems`)."""
+    accounts = read_accounts(outcome.checkpoint_dir, ranks)
+    lost = ranks_on(accounts, lost_node) if lost_node else set()
+    problems = fault_problems(accounts, lost)
+    if outcome.over_after_fault is None or outcome.over_after_fault > bound:
+        problems.append(f"not over within {bound} s of the fault (2x the timeout)")
+    if outcome.returncode in (0, None):
+        problems.append(f"launcher exit code {outcome.returncode}")
+    if every_rank_raises:
+        # no dynamic-set coordination holds Horovod's table lock: every rank raises
+        problems += [f"did not raise: {a}" for a in accounts.values() if a.how != "raised"]
+    notes = [str(a)[:300] for a in accounts.values()]
+    notes += [f"ranks on the lost node: {sorted(lost)}"] if lost_node else []
+    return _report(label, not problems, outcome, notes + problems)
+
+
 def run_cut_link(controller: str, start_up_sets: bool) -> bool:
     """The link to node 1 goes down at step 10 and stays down."""
     sets = "sets registered at start-up" if start_up_sets else "dynamic process sets"
@@ -231,50 +238,7 @@ def run_cut_link(controller: str, start_up_sets: bool) -> bool:
         outcome = _run_with_fault(cluster, argv, env,
                                   "rank 0 step 10 ", lambda: cluster.cut_link(1), bound + 30,
                                   checkpoints)
-        caught = _caught_by_rank(checkpoints)
-        ended_by_watchdog = {r for r in range(4)
-                             if f"hvd_averaging watchdog: rank {r} " in outcome.output}
-        named = {r: "AveragingTimeoutError" in caught[r] or "HorovodInternalError" in caught[r]
-                 for r in caught}
-        problems = _checkpoints_load(checkpoints, caught)
-        notes = [f"ranks that raised a named error, wrote a checkpoint and exited: {sorted(caught)}",
-                 f"ranks ended by the watchdog while blocked inside Horovod: {sorted(ended_by_watchdog)}"]
-        notes += problems
-        ok = (outcome.over_after_fault is not None and outcome.over_after_fault <= bound
-              and outcome.returncode not in (0, None) and all(named.values()) and not problems
-              and "reached the end of training" not in outcome.output)
-        if start_up_sets:
-            # No dynamic-set coordination holds Horovod's table lock: every rank raises.
-            ok = ok and sorted(caught) == [0, 1, 2, 3]
-        elif controller == "gloo":
-            # Every rank's output reaches the launcher (its ssh stand-in runs on this machine).
-            # A rank either said what happened (its error, or the watchdog's message) or was
-            # stopped by horovodrun after a rank that said it exited first ("Terminating
-            # remaining workers after failure of Process N"): a rank that polls raises at the
-            # timeout and exits, which can come before the watchdog ends the blocked ones.
-            first = re.search(r"Terminating remaining workers after failure of Process (\d+)",
-                              outcome.output)
-            stopped_after_named = (set(range(4)) if first and int(first.group(1)) in caught
-                                   else set())
-            if stopped_after_named - set(caught) - ended_by_watchdog:
-                notes.append(f"stopped by horovodrun after rank {first.group(1)}'s named error: "
-                             f"{sorted(stopped_after_named - set(caught) - ended_by_watchdog)}")
-            ok = ok and bool(set(caught) | ended_by_watchdog) and (
-                set(caught) | ended_by_watchdog | stopped_after_named == {0, 1, 2, 3})
-        else:
-            # Node 1's output is behind the cut link, and mpirun stops node 0's other rank
-            # when the first one exits: at least one must have said what happened.
-            ok = ok and bool(set(caught) | ended_by_watchdog)
-        notes.append(f"bound: {bound} s (2x the timeout)")
-        return _report(label, ok, outcome, notes)
-
-
-# What launchers and the library print when a node is gone: horovodrun names the rank and exit
-# code, OpenMPI the peer host, or (when the daemon's ssh stand-in is what died) only that a
-# daemon failed.
-LOSS_REPORTS = ("lost communication", "exited on signal", "Killed", "exit with status", "noticed",
-                "hvd_averaging watchdog", "Peer host", "unexpectedly disconnected",
-                "unable to reliably start one or more daemons")
+        return _judge_fault(label, outcome, 4, None, bound, every_rank_raises=start_up_sets)
 
 
 def run_node_lost(controller: str) -> bool:
@@ -288,46 +252,66 @@ def run_node_lost(controller: str) -> bool:
         outcome = _run_with_fault(cluster, argv, env,
                                   "rank 0 step 10 ", lambda: cluster.kill_node(1), bound + 30,
                                   checkpoints)
-    out = outcome.output
-    names_lost = [line.strip() for line in out.splitlines() if "cluster_train:" not in line
-                  and any(k in line for k in LOSS_REPORTS)]
-    ok = (outcome.over_after_fault is not None and outcome.over_after_fault <= bound
-          and outcome.returncode not in (0, None) and "reached the end of training" not in out
-          and bool(names_lost))
-    return _report(label, ok, outcome, [f"what names the loss: {' | '.join(names_lost[:3])[:400]}",
-                                        f"bound: {bound} s (2x the timeout)"])
+        return _judge_fault(label, outcome, 4, cluster.nodes[1], bound)
+
+
+def advice_problems(message: str, timeout_s: float, link_mbit: float) -> list[str]:
+    """An ``AveragingTimeoutError`` on a link too slow for the timeout must say what to change,
+    by meaning: the timeout it allowed, how to set another, and a link rate that would have done
+    (faster than the link it had)."""
+    problems = []
+    if f"{timeout_s:g} s" not in message:
+        problems.append(f"does not name the timeout ({timeout_s:g} s)")
+    if "HVA_TIMEOUT_SECONDS" not in message or "set_timeout" not in message:
+        problems.append("does not say how to set the timeout")
+    rates = [float(r) for r in re.findall(r"(\d+(?:\.\d+)?) Mbit/s", message)]
+    if not rates or max(rates) <= link_mbit:
+        problems.append(f"names no link rate above the link's {link_mbit:g} Mbit/s: {rates}")
+    return problems
 
 
 def run_slow_link() -> bool:
     """10 Mbit/s between nodes; averaging 4 MB takes longer than a 2 s timeout. The error must
     say what to change; with a timeout sized to the link the same run passes."""
-    rate, numel = 10, 1_000_000
+    rate, numel, steps = 10, 1_000_000, 3
     ok_all = True
     for timeout_s, expect_pass in ((2, False), (60, True)):
         label = (f"slow link ({rate} Mbit/s), 4 MB model, HVA_TIMEOUT_SECONDS={timeout_s}: "
                  + ("passes" if expect_pass else "fails, saying what to change"))
         print(f"\n=== fault: {label}", flush=True)
         with tempfile.TemporaryDirectory() as tmp, Cluster(2, rate) as cluster:
-            env = test_launch_env(HVA_TIMEOUT_SECONDS=str(timeout_s))
+            env = test_launch_env(HVA_TIMEOUT_SECONDS=str(timeout_s),
+                                  HVA_WATCHDOG_RECORD_DIR=tmp)
             argv = _horovodrun(cluster, "mpi", 2) + _train_argv(
-                Path(tmp), "--steps", "3", "--numel", str(numel), "--step-seconds", "0")
+                Path(tmp), "--steps", str(steps), "--numel", str(numel), "--step-seconds", "0")
             result = cluster.run(argv, env=env, cwd=str(ROOT), timeout_s=4 * timeout_s + 120)
-        out = result.output
+            accounts = read_accounts(Path(tmp), 4)
+        problems = []
         if expect_pass:
-            ok = result.returncode == 0 and out.count("reached the end of training") == 4
-            times = [line.split("averaged in ")[1].split()[0] for line in out.splitlines()
-                     if "rank 0 step 0 averaged in" in line]
-            note = f"first averaging on rank 0 took {times[0] if times else '?'} s"
+            if result.returncode != 0:
+                problems.append(f"exit code {result.returncode}")
+            problems += [f"did not complete all {steps} steps: {a}" for a in accounts.values()
+                         if a.how != "completed" or a.step != steps - 1]
         else:
-            advice = "on a slower link set a timeout that fits it (HVA_TIMEOUT_SECONDS or hva.set_timeout())"
-            ok = (result.returncode not in (0, None) and "AveragingTimeoutError" in out
-                  and advice in out and "needs a link of at least" in out)
-            said = [line for line in out.splitlines() if "needs a link of at least" in line]
-            note = "the error says: ..." + (said[0][said[0].index("Moving its"):][:230]
-                                            if said else "(nothing)")
+            raised = [a for a in accounts.values() if a.how == "raised"]
+            if result.returncode in (0, None) or not raised:
+                problems.append(f"exit code {result.returncode}; ranks that raised: {len(raised)}")
+            for account in raised:
+                if account.record["error_type"] != "AveragingTimeoutError":
+                    problems.append(f"{account}: {account.record['error_message'][:200]}")
+                else:
+                    problems += [f"rank {account.rank}'s error {p}" for p in advice_problems(
+                        account.record["error_message"], timeout_s, rate)]
+            problems += fault_problems(accounts, set())
+        ok = not problems
         if not ok:
-            print(out, flush=True)
-        print(f"    exit code {result.returncode} after {result.seconds:.1f} s; {note}", flush=True)
+            print(result.output, flush=True)
+        said = next((a.record["error_message"] for a in accounts.values() if a.how == "raised"), "")
+        print(f"    exit code {result.returncode} after {result.seconds:.1f} s", flush=True)
+        for line in [*map(str, accounts.values()), *problems]:
+            print(f"    {line[:300]}", flush=True)
+        if said:
+            print(f"    the error says: ...{said[said.find('Moving its'):][:230]}", flush=True)
         print(f"=== {'ok' if ok else 'FAILED'}: {label}", flush=True)
         ok_all = ok_all and ok
     return ok_all
@@ -392,23 +376,13 @@ def run_head_node(fault: str) -> bool:
     bound = 2 * FAULT_TIMEOUT_S
     with tempfile.TemporaryDirectory() as tmp, Cluster(3, RATE_MBIT) as cluster:
         checkpoints = Path(tmp)
-        env = test_launch_env(HVA_TIMEOUT_SECONDS=str(FAULT_TIMEOUT_S))
+        env = _fault_env(checkpoints)
         argv = _mpirun(cluster, [0, 2, 2], env, *recommended_mca()) + _train_argv(checkpoints)
         trigger = (lambda: cluster.cut_link(2)) if fault == "cut" else (lambda: cluster.kill_node(2))
         outcome = _run_with_fault(cluster, argv, env, "rank 0 step 10 ", trigger, bound + 60,
                                   checkpoints)
-        caught = _caught_by_rank(checkpoints)
-        problems = _checkpoints_load(checkpoints, caught)
-    out = outcome.output
-    names_lost = [line.strip() for line in out.splitlines() if "cluster_train:" not in line
-                  and any(k in line for k in LOSS_REPORTS)]
-    ok = (outcome.over_after_fault is not None and outcome.over_after_fault <= bound
-          and outcome.returncode not in (0, None) and "reached the end of training" not in out
-          and bool(names_lost) and not problems)
-    notes = [f"what names the loss: {' | '.join(names_lost[:3])[:400]}",
-             f"ranks that raised a named error and wrote a checkpoint: {sorted(caught)}",
-             f"bound: {bound} s (2x the timeout)", *problems]
-    return _report(label, ok, outcome, notes)
+        return _judge_fault(label, outcome, 4, cluster.nodes[2] if fault == "lost" else None,
+                            bound)
 
 
 def run_all(bin_dir: Path, timeout_s: int, log: StageLog) -> None:

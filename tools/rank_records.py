@@ -23,7 +23,8 @@ import torch
 
 from hvd_averaging.agreement import tensor_digest
 
-__all__ = ["RankAccount", "read_accounts", "checkpoint_problems", "TIMEOUT_ERRORS"]
+__all__ = ["RankAccount", "read_accounts", "checkpoint_problems", "fault_problems", "ranks_on",
+           "TIMEOUT_ERRORS"]
 
 # What a rank may raise when a peer, a node or the link is gone: the library's timeout, or
 # Horovod's own error when a connection closes under it.
@@ -100,3 +101,32 @@ def checkpoint_problems(account: RankAccount) -> list[str]:
     if state.get("step") != account.step:
         problems.append(f"{path}: step {state.get('step')}, the rank recorded {account.step}")
     return problems
+
+
+def fault_problems(accounts: dict[int, RankAccount], lost: set[int],
+                   cause_named_by: Optional[str] = None) -> list[str]:
+    """Every rank not on a lost node accounts for itself: it raised a timeout or Horovod's error
+    and saved a checkpoint that holds what it recorded, or the watchdog ended it (its record),
+    or a SIGTERM did (the launcher or the scheduler stopping the job; the traceback says where);
+    at least one of them named the cause (raised, or the watchdog's message), unless
+    ``cause_named_by`` says who else did (SLURM's node-failure state); no rank completed."""
+    problems = []
+    survivors = [a for rank, a in accounts.items() if rank not in lost]
+    for account in accounts.values():
+        if account.how == "completed":
+            problems.append(f"{account}: training went on to the end")
+    for account in survivors:
+        if account.how == "raised":
+            if account.record["error_type"] not in TIMEOUT_ERRORS:
+                problems.append(f"{account}: {account.record['error_message'][:200]}")
+            problems += checkpoint_problems(account)
+        elif account.how not in ("watchdog", "signal"):
+            problems.append(f"does not account for itself: {account}")
+    if cause_named_by is None and not any(a.how in ("raised", "watchdog") for a in survivors):
+        problems.append("no surviving rank named the cause (a named error or the watchdog)")
+    return problems
+
+
+def ranks_on(accounts: dict[int, RankAccount], node: str) -> set[int]:
+    """The ranks whose record names ``node`` as their host."""
+    return {rank for rank, a in accounts.items() if a.record.get("host") == node}

@@ -16,6 +16,7 @@ one line saying why, unless ``HVA_SKIP_SLURM=1``.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -24,8 +25,8 @@ import time
 from pathlib import Path
 
 from cluster import Cluster, ClusterUnavailable, check_privileges
-from cluster_tests import _caught_by_rank, _checkpoints_load
 from rank_output import test_launch_env
+from rank_records import fault_problems, ranks_on, read_accounts
 from slurm_cluster import SlurmCluster, SlurmUnavailable, check_slurm
 from stage_log import StageLog
 
@@ -126,16 +127,22 @@ def run_too_many_tasks(slurm: SlurmCluster) -> bool:
                             str(BIN / "python"), "-u", str(ROOT / "examples/slurm/train.py"),
                             "--node-group-size", "2", "--out", tmp],
                            env=_env(), cwd=str(ROOT), timeout_s=120)
-    raised = set(int(r) for r in re.findall(r"rank (\d+) raised ValueError", result.output))
-    message = next((line for line in result.output.splitlines() if "ValueError:" in line), "")
-    ok = result.returncode not in (0, None) and raised == set(range(6)) and "placement" in message
-    return _say(label, ok, [f"srun exit status {result.returncode}; ranks that raised "
-                            f"ValueError: {sorted(raised)}", f"the message: {message.strip()[:300]}"],
+        records = [json.loads(p.read_text()) for p in Path(tmp).glob("rank*.json")]
+    raised = {r["rank"] for r in records if r.get("error_type") == "ValueError"}
+    # by meaning: the error names the group size asked for, the placement, and the node sizes
+    unclear = [r["rank"] for r in records
+               if not re.search(r"group size 2 .*placement.*node sizes: \{.*: 3, .*: 3\}",
+                                r.get("error_message", ""))]
+    ok = result.returncode not in (0, None) and raised == set(range(6)) and not unclear
+    message = records[0].get("error_message", "") if records else ""
+    return _say(label, ok, [f"srun exit status {result.returncode}; ranks whose record says "
+                            f"ValueError: {sorted(raised)}; messages not naming the placement: "
+                            f"{unclear}", f"the message: {message.strip()[:300]}"],
                 result.output)
 
 
 def _fault_job(slurm: SlurmCluster, out: Path, steps: int) -> int:
-    env = _env(HVA_TIMEOUT_SECONDS=str(FAULT_TIMEOUT_S))
+    env = _env(HVA_TIMEOUT_SECONDS=str(FAULT_TIMEOUT_S), HVA_WATCHDOG_RECORD_DIR=str(out))
     # no --kill-on-bad-exit: the surviving ranks must get to name the cause and checkpoint
     command = " ".join(["srun", *SRUN_MPI, str(BIN / "python"), "-u",
                         str(ROOT / "tests/faults/cluster_train.py"), "--checkpoint-dir", str(out),
@@ -198,36 +205,24 @@ def run_fault(slurm: SlurmCluster, fault: str) -> bool:
             slurm.cluster.kill_node(2)
         state, over = _wait_over(slurm, job, fault_at, bound + 60)
         output = (out / "job.out").read_text(errors="replace")
-        caught = sorted(_caught_by_rank(out))
-        problems = _checkpoints_load(out, caught)
-        named = [line.strip() for line in output.splitlines() if "caught" in line][:4]
-    # Ranks 0-1 (node 1) survive either fault and their output reaches srun. Node 2's ranks,
-    # when its link is cut, run on but their output is behind the cut: they show only through
-    # their checkpoints (a rank blocked inside Horovod is ended by the watchdog, unseen). As
-    # under mpirun, the first rank of node 1 to raise and exit closes its MPI connections, and
-    # Open MPI then aborts a peer still inside a collective with it ("peer process has
-    # unexpectedly disconnected"): at least one of node 1's ranks names the cause.
-    survivors = [0, 1]
-    aborted_by_mpi = output.count("An MPI communication peer process has unexpectedly disconnected")
-    # a rank blocked inside Horovod (MPI's peer gone mid-transfer) cannot raise: the library's
-    # watchdog ends it and says why; the others raise, name the cause and checkpoint
-    watchdog = sorted(int(r) for r in re.findall(r"hvd_averaging watchdog: rank (\d+) ", output))
-    # When slurmd dies with its node, slurmctld learns it within seconds (its pings are refused);
-    # when the node's link is cut, within SlurmdTimeout of its last answered ping, which can be
-    # before the library's timeout (seen in a fresh-clone make test: NODE_FAIL 18-22 s after the
-    # cut, node 1's ranks ended before their 20 s timeout). Either way SLURM ends the job and
-    # names the cause, in the job's state and in the output every rank's step shares.
-    by_slurm = state == "NODE_FAIL" and "DUE TO NODE FAILURE" in output
-    named_by_ranks = bool((set(caught) | set(watchdog)) & set(survivors))
-    ok = (state in ("FAILED", "NODE_FAIL", "TIMEOUT") and over <= bound
-          and (named_by_ranks or by_slurm) and not problems)
-    return _say(label, ok, [f"job {job}: final state {state}; every task gone {over:.1f} s after "
-                            f"the fault (bound {bound} s)",
-                            f"ranks that raised, named the cause and wrote a checkpoint: {caught}",
-                            f"ranks ended by the watchdog, which named the cause: {watchdog}",
-                            f"Open MPI's peer-disconnected aborts seen: {aborted_by_mpi}",
-                            f"SLURM named the node failure in the job's output: {by_slurm}",
-                            *named, *problems], output)
+        accounts = read_accounts(out, 4)
+    # Every rank off a killed node accounts for itself in its record (tools/rank_records.py):
+    # it raised and checkpointed, the watchdog ended it (a rank blocked inside Horovod when MPI's
+    # peer is gone mid-transfer), or a SIGTERM did (Open MPI aborting a peer of a rank that
+    # exited, or SLURM ending the job), the traceback saying where. When slurmd dies with its
+    # node, slurmctld learns it within seconds; when the link is cut, within SlurmdTimeout of
+    # its last answered ping, which can come before the library's timeout (seen in a
+    # fresh-clone make test: NODE_FAIL 18-22 s after the cut). Then SLURM, not a rank, names the
+    # cause: in the job's state, NODE_FAIL.
+    lost = ranks_on(accounts, slurm.cluster.nodes[2]) if fault == "kill" else set()
+    problems = fault_problems(accounts, lost,
+                              cause_named_by="SLURM (NODE_FAIL)" if state == "NODE_FAIL" else None)
+    if state not in ("FAILED", "NODE_FAIL", "TIMEOUT") or over > bound:
+        problems.append(f"final state {state} {over:.1f} s after the fault (bound {bound} s)")
+    return _say(label, not problems,
+                [f"job {job}: final state {state}; every task gone {over:.1f} s after the fault "
+                 f"(bound {bound} s)", *(str(a)[:300] for a in accounts.values()),
+                 f"ranks on the killed node: {sorted(lost)}", *problems], output)
 
 
 def run_scancel(slurm: SlurmCluster) -> bool:

@@ -4,7 +4,9 @@ The last of the 41 steps (step 40) is a global round, so every rank ends with th
 
 Each rank checks that the library's node-level group is exactly the ranks SLURM put on its node
 (``SLURM_NODEID``), trains, and checks that every rank ends with the same parameters. Rank 0
-prints one ``slurm train:`` line per rank and writes ``placement.json`` to ``--out``.
+prints one ``slurm train:`` line per rank and writes ``placement.json`` to ``--out``; a rank whose
+averager cannot be built (the placement does not fit the node level) writes ``rankR.json`` with
+the error there.
 
     sbatch examples/slurm/train.sbatch            # runs this on 2 nodes x 2 tasks
 """
@@ -38,6 +40,9 @@ def main() -> int:
         averager = hva.HierarchicalModelAverager({2: per_node, 8: hvd.size()})
     except ValueError as error:  # raised on every rank alike, before any averaging
         print(f"slurm train: rank {hvd.rank()} raised ValueError: {error}", flush=True)
+        args.out.mkdir(parents=True, exist_ok=True)  # each rank's record, for the job's checks
+        (args.out / f"rank{hvd.rank()}.json").write_text(json.dumps(
+            {"rank": hvd.rank(), "error_type": type(error).__name__, "error_message": str(error)}))
         return 2
     opt = hva.PostLocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), averager)
     for _ in range(args.steps):
