@@ -96,20 +96,30 @@ def optimizer_state_error(optimizer: torch.optim.Optimizer, state: Mapping,
     return None
 
 
+def _section(state: Mapping, key: str) -> tuple[Mapping, Optional[ValueError]]:
+    """``state[key]`` (empty if absent), or the error when it is not a dict."""
+    found = state.get(key) or {}
+    if not isinstance(found, Mapping):
+        return {}, ValueError(f"state_dict[{key!r}] must be a dict, got {type(found).__name__}")
+    return found, None
+
+
 def averager_state_error(state: Mapping, delays: Mapping[int, int],
                          levels_with_state: set) -> Optional[ValueError]:
     """What an averager's :meth:`load_state_dict` would reject: the step, a round in flight that
     does not fit ``delays`` at that step, NaN/Inf in its snapshot or in a wire residual."""
     if not isinstance(state, Mapping):
         return ValueError(f"an averager state must be a dict, got {type(state).__name__}")
-    step = state.get("step")
-    error = step_error(step)
-    if error is not None:
-        return error
-    in_flight = state.get("in_flight") or {}
-    if not isinstance(in_flight, Mapping):
-        return ValueError(f"state_dict['in_flight'] must be a dict, got {type(in_flight).__name__}")
+    return (step_error(state.get("step")) or _in_flight_error(state, delays)
+            or _wire_error(state, levels_with_state))
+
+
+def _in_flight_error(state: Mapping, delays: Mapping[int, int]) -> Optional[ValueError]:
+    in_flight, error = _section(state, "in_flight")
+    step = state["step"]
     for level, saved in in_flight.items():
+        if error is not None:
+            break
         delay = delays.get(level, 0)
         fired_at = saved.get("fired_at") if isinstance(saved, Mapping) else None
         if not delay or not isinstance(fired_at, int) or not fired_at < step <= fired_at + delay:
@@ -118,21 +128,20 @@ def averager_state_error(state: Mapping, delays: Mapping[int, int],
                 f"averager at step {step} (delays per level {dict(delays)})")
         error = non_finite_error(f"state_dict['in_flight'][{level!r}]['snapshots']",
                                  list(saved.get("snapshots") or []))
-        if error is not None:
-            return error
-    wire = state.get("wire") or {}
-    if not isinstance(wire, Mapping):
-        return ValueError(f"state_dict['wire'] must be a dict, got {type(wire).__name__}")
+    return error
+
+
+def _wire_error(state: Mapping, levels_with_state: set) -> Optional[ValueError]:
+    wire, error = _section(state, "wire")
     for level, kept in wire.items():
+        if error is not None:
+            break
         residuals = kept.get("residuals", {}) if isinstance(kept, Mapping) else None
         if not isinstance(residuals, Mapping):
             return ValueError(f"state_dict['wire'][{level!r}] must be a dict of residuals")
-        if level not in levels_with_state:
-            continue  # saved with error feedback, loaded without: the config warning says so
-        error = non_finite_error(f"state_dict['wire'][{level!r}]['residuals']", residuals)
-        if error is not None:
-            return error
-    return None
+        if level in levels_with_state:  # else: saved with error feedback, loaded without
+            error = non_finite_error(f"state_dict['wire'][{level!r}]['residuals']", residuals)
+    return error
 
 
 def tensors_error(where: str, saved: Any, own: list[torch.Tensor]) -> Optional[ValueError]:

@@ -270,6 +270,31 @@ def advice_problems(message: str, timeout_s: float, link_mbit: float) -> list[st
     return problems
 
 
+def _slow_link_problems(accounts: dict, result, expect_pass: bool, steps: int, timeout_s: float,
+                        rate: float) -> list[str]:
+    """Passing: every rank completed every step. Failing: the job ended non-zero, the ranks that
+    raised raised AveragingTimeoutError saying what to change, and every rank accounts for
+    itself (read while the checkpoints are still there)."""
+    problems = []
+    if expect_pass:
+        if result.returncode != 0:
+            problems.append(f"exit code {result.returncode}")
+        problems += [f"did not complete all {steps} steps: {a}" for a in accounts.values()
+                     if a.how != "completed" or a.step != steps - 1]
+    else:
+        raised = [a for a in accounts.values() if a.how == "raised"]
+        if result.returncode in (0, None) or not raised:
+            problems.append(f"exit code {result.returncode}; ranks that raised: {len(raised)}")
+        for account in raised:
+            if account.record["error_type"] != "AveragingTimeoutError":
+                problems.append(f"{account}: {account.record['error_message'][:200]}")
+            else:
+                problems += [f"rank {account.rank}'s error {p}" for p in advice_problems(
+                    account.record["error_message"], timeout_s, rate)]
+        problems += fault_problems(accounts, set())
+    return problems
+
+
 def run_slow_link() -> bool:
     """10 Mbit/s between nodes; averaging 4 MB takes longer than a 2 s timeout. The error must
     say what to change; with a timeout sized to the link the same run passes."""
@@ -286,23 +311,7 @@ def run_slow_link() -> bool:
                 Path(tmp), "--steps", str(steps), "--numel", str(numel), "--step-seconds", "0")
             result = cluster.run(argv, env=env, cwd=str(ROOT), timeout_s=4 * timeout_s + 120)
             accounts = read_accounts(Path(tmp), 4)
-        problems = []
-        if expect_pass:
-            if result.returncode != 0:
-                problems.append(f"exit code {result.returncode}")
-            problems += [f"did not complete all {steps} steps: {a}" for a in accounts.values()
-                         if a.how != "completed" or a.step != steps - 1]
-        else:
-            raised = [a for a in accounts.values() if a.how == "raised"]
-            if result.returncode in (0, None) or not raised:
-                problems.append(f"exit code {result.returncode}; ranks that raised: {len(raised)}")
-            for account in raised:
-                if account.record["error_type"] != "AveragingTimeoutError":
-                    problems.append(f"{account}: {account.record['error_message'][:200]}")
-                else:
-                    problems += [f"rank {account.rank}'s error {p}" for p in advice_problems(
-                        account.record["error_message"], timeout_s, rate)]
-            problems += fault_problems(accounts, set())
+            problems = _slow_link_problems(accounts, result, expect_pass, steps, timeout_s, rate)
         ok = not problems
         if not ok:
             print(result.output, flush=True)

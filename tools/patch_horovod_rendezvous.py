@@ -51,6 +51,17 @@ def _worker_addresses(value):
     return addresses, secret_key
 '''
 
+
+
+def _bound_to_address(signature: str, server_attribute: str, factory: str) -> tuple[str, str]:
+    """The edit that gives a server's start method an ``address`` to bind (default: every
+    interface, as before) and passes it to ``find_port``."""
+    def method(extra: str, passed: str) -> str:
+        return (f"    def {signature}{extra}):\n        {server_attribute}, port = find_port(\n"
+                f"            lambda addr: {factory}{passed})")
+    return method("", ""), method(", address=''", ", address")
+
+
 EDITS = {
     "horovod/runner/elastic/rendezvous.py": [
         ("import logging\n", "import base64\nimport io\nimport logging\nimport pickle\n"),
@@ -74,22 +85,10 @@ EDITS = {
             return
         self.send_status_code(OK)
 """),
-        ("""    def start(self, handler_cls=RendezvousHandler):
-        self._httpd, port = find_port(
-            lambda addr: RendezvousHTTPServer(
-                addr, handler_cls, self._verbose))""",
-         """    def start(self, handler_cls=RendezvousHandler, address=''):
-        self._httpd, port = find_port(
-            lambda addr: RendezvousHTTPServer(
-                addr, handler_cls, self._verbose), address)"""),
-        ("""    def start_server(self):
-        self.httpd, port = find_port(
-            lambda addr: KVStoreHTTPServer(
-                addr, KVStoreHandler, self.verbose))""",
-         """    def start_server(self, address=''):
-        self.httpd, port = find_port(
-            lambda addr: KVStoreHTTPServer(
-                addr, KVStoreHandler, self.verbose), address)"""),
+        _bound_to_address("start(self, handler_cls=RendezvousHandler", "self._httpd",
+                          "RendezvousHTTPServer(\n                addr, handler_cls, self._verbose)"),
+        _bound_to_address("start_server(self", "self.httpd",
+                          "KVStoreHTTPServer(\n                addr, KVStoreHandler, self.verbose)"),
     ],
     "horovod/runner/util/network.py": [
         ("def find_port(server_factory):", "def find_port(server_factory, address=''):"),

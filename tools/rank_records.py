@@ -6,8 +6,9 @@ Every rank is accounted for in exactly one way, :class:`RankAccount`'s ``how``:
 
 - ``completed``, ``raised``, ``exits on purpose``: the rank's own last word (``exit``);
 - ``watchdog``: the library's watchdog ended it and left ``watchdog-PID.json`` (its message);
-- ``signal``: it was ended by SIGTERM (the launcher stopping the job) and its traceback at the
-  signal says where it was;
+- ``signal``: it was ended by a signal (SIGTERM or SIGHUP: the launcher or the scheduler
+  stopping the job; or a fatal one, such as an abort in Horovod's background thread when a peer's
+  connection closes) and its traceback at the signal says where it was;
 - ``silent``: a record that ends without any of the above (SIGKILL, or the node died);
 - ``no record``: the rank never started its record.
 """
@@ -49,9 +50,12 @@ class RankAccount:
 
 
 def _innermost_frames(traceback: str, count: int = 2) -> str:
-    frames = [line.strip() for line in traceback.splitlines() if line.strip().startswith("File")]
+    """A fatal signal's header (``Fatal Python error: Aborted``) and the innermost frames."""
+    lines = [line.strip() for line in traceback.splitlines()]
+    frames = [line for line in lines if line.startswith("File")]
+    header = [line for line in lines[:1] if line.startswith("Fatal Python error")]
     # faulthandler lists the innermost frame first
-    return " <- ".join(frames[:count])
+    return "; ".join([*header, " <- ".join(frames[:count])])
 
 
 def read_accounts(folder: Path, ranks: int) -> dict[int, RankAccount]:
@@ -103,13 +107,13 @@ def checkpoint_problems(account: RankAccount) -> list[str]:
     return problems
 
 
-def fault_problems(accounts: dict[int, RankAccount], lost: set[int],
-                   cause_named_by: Optional[str] = None) -> list[str]:
+def fault_problems(accounts: dict[int, RankAccount], lost: set[int]) -> list[str]:
     """Every rank not on a lost node accounts for itself: it raised a timeout or Horovod's error
     and saved a checkpoint that holds what it recorded, or the watchdog ended it (its record),
-    or a SIGTERM did (the launcher or the scheduler stopping the job; the traceback says where);
-    at least one of them named the cause (raised, or the watchdog's message), unless
-    ``cause_named_by`` says who else did (SLURM's node-failure state); no rank completed."""
+    or a signal did (the traceback says where). At least one of them named the cause (raised,
+    or the watchdog's message), unless every one was stopped from outside (the launcher or the
+    scheduler noticed the loss first and ended the job: Open MPI's daemons, SLURM's NODE_FAIL).
+    No rank completed training."""
     problems = []
     survivors = [a for rank, a in accounts.items() if rank not in lost]
     for account in accounts.values():
@@ -122,8 +126,10 @@ def fault_problems(accounts: dict[int, RankAccount], lost: set[int],
             problems += checkpoint_problems(account)
         elif account.how not in ("watchdog", "signal"):
             problems.append(f"does not account for itself: {account}")
-    if cause_named_by is None and not any(a.how in ("raised", "watchdog") for a in survivors):
-        problems.append("no surviving rank named the cause (a named error or the watchdog)")
+    named = any(a.how in ("raised", "watchdog") for a in survivors)
+    if not named and not all(a.how == "signal" for a in survivors):
+        problems.append("no surviving rank named the cause (a named error or the watchdog), and "
+                        "not every one was stopped from outside")
     return problems
 
 

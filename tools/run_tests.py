@@ -119,6 +119,20 @@ def run_entrypoint_check(timeout_s: int) -> bool:
     return ok
 
 
+def report_accounts(label: str, out: str, rc, elapsed: float, accounts: dict,
+                    problems: list[str]) -> bool:
+    """Print every rank's account and the problems (the launch's output too when there are
+    any); True when there are none."""
+    ok = not problems
+    if not ok:
+        print(out, flush=True)
+    print(f"    job ended with exit code {rc} after {elapsed:.1f} s", flush=True)
+    for line in [*map(str, accounts.values()), *problems]:
+        print(f"    {line[:400]}", flush=True)
+    print(f"=== {'ok' if ok else 'FAILED'}: {label} ({elapsed:.0f} s)", flush=True)
+    return ok
+
+
 FAULT_RUNS = [("mpi", 3, 8), ("mpi", 4, 9), ("gloo", 3, 9), ("gloo", 4, 8)]  # die-at 8 fires
 FAULT_BOUND_S = 60
 
@@ -154,14 +168,7 @@ def run_rank_death(controller: str, np: int, die_at: int) -> bool:
                             f"{account.record['error_message']}")
         elif account.how not in ("raised", "watchdog", "signal"):
             problems.append(f"does not account for itself: {account}")
-    ok = not problems
-    if not ok:
-        print(out, flush=True)
-    print(f"    job ended with exit code {rc} after {elapsed:.1f} s", flush=True)
-    for line in [*map(str, accounts.values()), *problems]:
-        print(f"    {line}", flush=True)
-    print(f"=== {'ok' if ok else 'FAILED'}: {label} ({elapsed:.0f} s)", flush=True)
-    return ok
+    return report_accounts(label, out, rc, elapsed, accounts, problems)
 
 
 SETUP_STALL_BOUND_S = 30  # timeout 3 s + the watchdog's grace 2 s + the launcher's reaction
@@ -193,14 +200,7 @@ def run_setup_stall() -> bool:
         problems.append(f"rank 0 should be ended by the watchdog naming the registration: {stalled}")
     if waiting.how not in ("signal", "watchdog"):
         problems.append(f"rank 1 does not account for itself: {waiting}")
-    ok = not problems
-    if not ok:
-        print(out, flush=True)
-    print(f"    job ended with exit code {rc} after {elapsed:.1f} s", flush=True)
-    for line in [*map(str, accounts.values()), *problems]:
-        print(f"    {line[:400]}", flush=True)
-    print(f"=== {'ok' if ok else 'FAILED'}: {label} ({elapsed:.0f} s)", flush=True)
-    return ok
+    return report_accounts(label, out, rc, elapsed, accounts, problems)
 
 
 ELASTIC_BATCHES = 41  # tests/faults/elastic_shrink.py's

@@ -213,10 +213,9 @@ def run_fault(slurm: SlurmCluster, fault: str) -> bool:
     # node, slurmctld learns it within seconds; when the link is cut, within SlurmdTimeout of
     # its last answered ping, which can come before the library's timeout (seen in a
     # fresh-clone make test: NODE_FAIL 18-22 s after the cut). Then SLURM, not a rank, names the
-    # cause: in the job's state, NODE_FAIL.
+    # cause, in the job's state (NODE_FAIL), and every surviving rank was stopped by a signal.
     lost = ranks_on(accounts, slurm.cluster.nodes[2]) if fault == "kill" else set()
-    problems = fault_problems(accounts, lost,
-                              cause_named_by="SLURM (NODE_FAIL)" if state == "NODE_FAIL" else None)
+    problems = fault_problems(accounts, lost)
     if state not in ("FAILED", "NODE_FAIL", "TIMEOUT") or over > bound:
         problems.append(f"final state {state} {over:.1f} s after the fault (bound {bound} s)")
     return _say(label, not problems,

@@ -14,7 +14,9 @@
 
 A rank ended by a signal leaves ``DIR/rank{R}.signal``: Python's traceback at the signal, written
 by :mod:`faulthandler` from C (so also when the rank is blocked inside Horovod), before the
-signal's default action ends it. The watchdog leaves ``DIR/watchdog-{pid}.json`` when
+signal's default action ends it: SIGTERM and SIGHUP (a launcher or scheduler stopping the job),
+and the fatal ones (an abort in Horovod's background thread, a crash), headed ``Fatal Python
+error``. The watchdog leaves ``DIR/watchdog-{pid}.json`` when
 ``HVA_WATCHDOG_RECORD_DIR`` is ``DIR`` (the runner sets it).
 """
 from __future__ import annotations
@@ -48,7 +50,9 @@ class RankRecord:
             "inside": None, "error_type": None, "error_message": None, "checkpoint": None,
             "checkpoint_digest": None, "exit": None}
         self._signal_file = open(Path(folder) / f"rank{rank}.signal", "w")  # noqa: SIM115
-        faulthandler.register(signal.SIGTERM, file=self._signal_file, chain=True)
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            faulthandler.register(signum, file=self._signal_file, chain=True)
+        faulthandler.enable(file=self._signal_file)
         self._write()
 
     def update(self, **fields: Any) -> None:

@@ -69,9 +69,23 @@ def test_the_cause_must_be_named_and_nobody_may_complete(tmp_path):
         write(tmp_path, rank)
         (tmp_path / f"rank{rank}.signal").write_text('  File "x.py", line 1 in f\n')
     accounts = read_accounts(tmp_path, 2)
-    assert fault_problems(accounts, set()) == [
-        "no surviving rank named the cause (a named error or the watchdog)"]
-    assert fault_problems(accounts, set(), cause_named_by="SLURM (NODE_FAIL)") == []
+    assert fault_problems(accounts, set()) == []  # both stopped from outside: the launcher named it
+    (tmp_path / "rank1.signal").unlink()  # rank 1 silent, on the lost node
+    assert fault_problems(read_accounts(tmp_path, 2), {1}) == []
+    (tmp_path / "rank1.signal").write_text(
+        'Fatal Python error: Aborted\n\nThread 0x2 (most recent call first):\n'
+        '  File "h.py", line 9 in synchronize\n')
+    aborted = read_accounts(tmp_path, 2)[1]
+    assert aborted.how == "signal" and aborted.detail.startswith("Fatal Python error: Aborted; File")
+    (tmp_path / "rank1.signal").unlink()
+    write(tmp_path, 1, exit=None, pid=77)
+    (tmp_path / "watchdog-77.json").write_text(json.dumps({"pid": 77, "message": "m", "time": 1}))
+    assert fault_problems(read_accounts(tmp_path, 2), set()) == []  # the watchdog named it
+    (tmp_path / "watchdog-77.json").unlink()
+    assert fault_problems(read_accounts(tmp_path, 2), set()) == [
+        "does not account for itself: rank 1: silent at step 12 inside optimizer.step",
+        "no surviving rank named the cause (a named error or the watchdog), and not every one "
+        "was stopped from outside"]
     write(tmp_path, 1, exit="completed")
     assert any("went on to the end" in p for p in fault_problems(read_accounts(tmp_path, 2), set()))
     raised_with_checkpoint(tmp_path, 0, error_type="ValueError")
