@@ -224,9 +224,10 @@ def average_tensors(
     forces one flat allreduce, True node-aware stages wherever the set allows them.
 
     Raises:
-        ValueError / TypeError: mixed devices, sparse or integer tensors, on the rank that has
-            them; the other members raise ``RuntimeError`` naming that rank (no hang). A bad
-            ``compression``, naming it and the choices (on every rank, before any collective).
+        ValueError: mixed devices or sparse tensors; TypeError: integer tensors (whatever the
+            ``compression``): on the rank that has them, the other members raising
+            ``RuntimeError`` naming that rank (no hang). ValueError: a bad ``compression``,
+            naming it and the choices (on every rank, before any collective).
         RuntimeError: the count, dtypes or shapes differ across the set (raised on every member).
         NonFiniteError: with ``check_finite``, a tensor holds NaN/Inf on this rank (checked
             before any data moves; the other members raise ``RuntimeError`` naming this rank);

@@ -23,6 +23,7 @@ import horovod.torch as hvd
 import torch
 
 import hvd_averaging as hva
+from hvd_averaging.gather_text import allgather_text
 
 
 def main() -> int:
@@ -55,7 +56,10 @@ def main() -> int:
             "slurmd_nodename": os.environ.get("SLURMD_NODENAME"), "host": socket.gethostname(),
             "node_group": list(hva.local_process_set().ranks),
             "checksum": float(flat.double().sum())}
-    everyone = hvd.allgather_object(mine)
+    # every rank's facts as JSON text in a tensor of bytes (nothing pickled between ranks)
+    everyone = [json.loads(text) for text in allgather_text(
+        json.dumps(mine), name="slurm_train.facts", what="the ranks' placement facts",
+        width=1024)]
     by_node: dict = {}
     for r in everyone:
         by_node.setdefault(r["slurm_nodeid"], []).append(r["rank"])
