@@ -30,8 +30,8 @@ from hvd_averaging.wire import Int8
 
 from bench_averaging import timed_interleaved
 from bench_common import equal_shapes, make_params, node_link_bytes, slowest_rank, stage_times
-from labels import (HOROVOD_FLAT, HVA_FLAT, HVA_FLAT_FP16, HVA_NODE_AWARE, HVA_NODE_AWARE_FP16,
-                    HVA_NODE_AWARE_INT8, INTRA_NODE)
+from labels import (HOROVOD_FLAT, HVA_CHOSEN, HVA_FLAT, HVA_FLAT_FP16, HVA_NODE_AWARE,
+                    HVA_NODE_AWARE_FP16, HVA_NODE_AWARE_INT8, INTRA_NODE)
 
 
 def int8_stage_times(params, reps: int) -> dict:
@@ -117,21 +117,26 @@ def main() -> None:
     shapes = equal_shapes(args.mb, args.tensors)
     sets_of_params = {label: make_params(shapes, seed=rank)
                       for label in (HVA_FLAT, HVA_NODE_AWARE, HVA_NODE_AWARE_FP16, HVA_FLAT_FP16,
-                                  HVA_NODE_AWARE_INT8, INTRA_NODE)}
+                                    HVA_NODE_AWARE_INT8, INTRA_NODE, HVA_CHOSEN)}
     numel = sum(p.numel() for p in sets_of_params[HVA_FLAT])
     flat = torch.randn(numel)
     fp16 = hvd.Compression.fp16
     methods = {
         HOROVOD_FLAT: lambda: hvd.allreduce_(flat, op=hvd.Average, name="bench.horovod.flat"),
         HVA_FLAT: lambda: average_tensors(sets_of_params[HVA_FLAT], node_aware=False, name="b.flat"),
-        HVA_NODE_AWARE: lambda: average_tensors(sets_of_params[HVA_NODE_AWARE], name="b.na"),
+        HVA_NODE_AWARE: lambda: average_tensors(sets_of_params[HVA_NODE_AWARE], node_aware=True,
+                                                name="b.na"),
         HVA_NODE_AWARE_FP16: lambda: average_tensors(sets_of_params[HVA_NODE_AWARE_FP16],
-                                                     compression=fp16, name="b.na16"),
+                                                     compression=fp16, node_aware=True,
+                                                     name="b.na16"),
         HVA_NODE_AWARE_INT8: lambda: average_tensors(sets_of_params[HVA_NODE_AWARE_INT8],
-                                                     compression="int8", name="b.na8"),
+                                                     compression="int8", node_aware=True,
+                                                     name="b.na8"),
         HVA_FLAT_FP16: lambda: average_tensors(sets_of_params[HVA_FLAT_FP16], compression=fp16,
                                                node_aware=False, name="b.flat16"),
         INTRA_NODE: lambda: average_tensors(sets_of_params[INTRA_NODE], my_node_set, name="b.node"),
+        # the library's default: the faster way, timed at the first round (in the warm-up)
+        HVA_CHOSEN: lambda: average_tensors(sets_of_params[HVA_CHOSEN], name="b.chosen"),
     }
     results = timed_interleaved(methods, args.reps, "cluster")
     for index, (label, fn) in enumerate(methods.items()):
@@ -142,7 +147,8 @@ def main() -> None:
     report = {"ranks": size, "nodes": node_count, "ranks_per_node": len(node_ranks),
               "controller": "mpi" if hvd.mpi_enabled() else "gloo", "rate_mbit": args.rate_mbit,
               "bytes": nbytes, "tensors": args.tensors, "link_limit_s": link_limit_s,
-              "route": averaging_route(hvd.global_process_set, nbytes // args.tensors),
+              "route": averaging_route(hvd.global_process_set, nbytes),
+              "routes_chosen": hva.traffic().routes,
               "cpus": os.cpu_count(), "methods": results,
               "int8_stages": int8_stage_times(sets_of_params[HVA_NODE_AWARE_INT8], args.reps)}
 

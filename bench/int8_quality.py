@@ -39,17 +39,15 @@ def main() -> None:
     torch.set_num_threads(1)
     task = TASKS[args.task]()
     size = hvd.size()
-    args.lr = task.default_lr if args.lr is None else args.lr
-    args.hierarchy = args.hierarchy or {2: min(2, size), args.period: size}
-    args.outer_hierarchy = args.outer_hierarchy or {2: min(2, size), args.outer_period: size}
+    args = args.for_world(task.default_lr, size)
     eval_model = task.model(mine.seed)
     results = []
     for method in mine.methods.split(","):
         for compression, feedback in WIRES:
-            args.cross_node_compression, args.error_feedback = compression, feedback
+            wired = args.with_wire(compression, feedback)
             model = task.model(mine.seed)
             hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-            trainer = build_trainer(method, model, task, args)
+            trainer = build_trainer(method, model, task, wired)
             name = f"q.{method}.{compression}.{int(feedback)}"
             hva.reset_traffic()
             began = time.monotonic()
@@ -58,7 +56,7 @@ def main() -> None:
                              link_interface="eth0", quiet=True, name=name)
             curve = evaluate_snapshots([run.final], eval_model, task.evaluate, None, f"{name}.eval")
             if hvd.rank() == 0:
-                results.append({"method": method, "label": label(method, args),
+                results.append({"method": method, "label": label(method, wired),
                                 "compression": compression, "error_feedback": feedback,
                                 "steps": run.steps, "final_loss": curve[-1][-1],
                                 "cross_node_mb_per_rank": hva.traffic().cross_node_bytes / 1e6,

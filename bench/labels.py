@@ -4,7 +4,7 @@
 __all__ = ["HVA", "TORCH", "PER_TENSOR", "GROUPED", "FLOOR", "FLOOR_POLLED", "MEMCPY",
            "GLOBAL_LEVEL", "PAIR_LEVEL", "FIRST_CALL", "BIG", "TRANSFORMER", "TINY",
            "HOROVOD_FLAT", "HVA_FLAT", "HVA_NODE_AWARE", "HVA_NODE_AWARE_FP16", "HVA_FLAT_FP16",
-           "HVA_NODE_AWARE_INT8", "INTRA_NODE", "CLUSTER_METHODS"]
+           "HVA_NODE_AWARE_INT8", "INTRA_NODE", "HVA_CHOSEN", "CLUSTER_METHODS"]
 
 # single host (bench_averaging.py; run.py and compare_revisions.py read its reports)
 HVA = "hva.average_parameters"
@@ -24,10 +24,11 @@ TINY = "tiny MLP"
 # emulated cluster (bench_cluster.py; run.py reads its reports)
 HOROVOD_FLAT = "Horovod allreduce_ of one flat buffer"
 HVA_FLAT = "hva, flat (one allreduce)"
+HVA_CHOSEN = "hva, the way it chooses (HVA_ROUTE=measure)"
 HVA_NODE_AWARE = "hva, node-aware"
 HVA_NODE_AWARE_FP16 = "hva, node-aware, fp16 wire"
 HVA_FLAT_FP16 = "hva, flat, fp16 wire"
 HVA_NODE_AWARE_INT8 = "hva, node-aware, int8 wire"
 INTRA_NODE = "hva inside one node (reference)"
 CLUSTER_METHODS = (HOROVOD_FLAT, HVA_FLAT, HVA_NODE_AWARE, HVA_NODE_AWARE_FP16, HVA_FLAT_FP16,
-                   HVA_NODE_AWARE_INT8, INTRA_NODE)
+                   HVA_NODE_AWARE_INT8, INTRA_NODE, HVA_CHOSEN)

@@ -35,7 +35,7 @@ CLUSTER_RATE_MBIT = 200
 # transport reaches on this link when only two processes share the machine's CPUs.
 CLUSTER_RUNS = [("mpi", 2, True), ("mpi", 4, False), ("gloo", 2, False), ("mpi", 1, False),
                 ("gloo", 1, False)]
-C_HOROVOD, C_FLAT, C_NA, C_NA16, C_FLAT16, C_NA8, C_NODE = CLUSTER_METHODS
+C_HOROVOD, C_FLAT, C_NA, C_NA16, C_FLAT16, C_NA8, C_NODE, C_CHOSEN = CLUSTER_METHODS
 RUNS = [("mpi", 2, "dynamic"), ("mpi", 4, "dynamic"), ("gloo", 2, "dynamic"), ("gloo", 4, "dynamic")]
 LEVEL_ROUNDS = 3  # static/dynamic launch pairs per controller
 
@@ -213,6 +213,15 @@ def cluster_report(runs: dict) -> str:
                          f"{r['min_s'] / limit:.2f} | {r['min_s'] / horovod:.2f} | "
                          f"{'' if sent is None else f'{sent / 1e6:.2f}'} |")
         na, na16 = methods[C_NA]["min_s"], methods[C_NA16]["min_s"]
+        if C_CHOSEN in methods:
+            chosen = methods[C_CHOSEN]["min_s"]
+            lines.append(f"\nThe way the library chose (HVA_ROUTE=measure): "
+                         f"{'; '.join(f'{k}: {v}' for k, v in rep.get('routes_chosen', {}).items()) or 'no choice to make (the set cannot go node-aware)'}")
+            checks.append(f"- {controller} 2x{per_node}, the way chosen: / Horovod flat "
+                          f"{chosen / horovod:.2f} (target <= 1.02: "
+                          f"{'met' if chosen / horovod <= 1.02 else 'MISSED'}), / link limit "
+                          f"{chosen / limit:.2f}" + (f" (target <= 1.20 on 2 x 1: "
+                          f"{'met' if chosen / limit <= 1.20 else 'MISSED'})" if per_node == 1 else ""))
         if C_NA8 in methods:
             na8 = methods[C_NA8]["min_s"]
             bytes_ratio = methods[C_NA8]["link_bytes_per_rank"] / methods[C_NA]["link_bytes_per_rank"]

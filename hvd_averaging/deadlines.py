@@ -20,6 +20,7 @@ from typing import Iterator, Optional
 import horovod.torch as hvd
 
 from .collective_round import AveragingTimeoutError, CollectiveRound
+from .env_settings import route_policy
 from .watchdog import Watchdog
 
 __all__ = [
@@ -237,6 +238,7 @@ def check_environment() -> None:
     """
     DEADLINES.timeout()
     DEADLINES.exit_after_timeout()
+    route_policy()
     record_dir = os.environ.get("HVA_WATCHDOG_RECORD_DIR")
     if record_dir and not os.path.isdir(record_dir):
         raise ValueError(f"HVA_WATCHDOG_RECORD_DIR={record_dir!r} must name an existing folder "

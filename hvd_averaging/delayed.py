@@ -18,6 +18,7 @@ import torch
 from .agreement import check_same_on_all_ranks
 from .deadlines import bounded_collective, guarded_enqueue
 from .rounds import NonFiniteError, Round, begin_round
+from .traffic import count_seconds
 
 __all__ = ["AverageTransform", "DelayedAverage", "start_delayed_average", "DelayedRounds",
            "ConstructionOrder"]
@@ -64,6 +65,7 @@ class DelayedAverage:
 
     def __init__(self, round_: Round, buffers: dict, snapshots: Optional[list[torch.Tensor]],
                  before_send: Optional[AverageTransform] = None):
+        began = time.perf_counter()
         self._round = round_
         self.what = round_.what
         self._snapshots = []
@@ -83,6 +85,7 @@ class DelayedAverage:
         self.started_at = time.monotonic()
         with guarded_enqueue(self.what):
             self._transfer = transport.start(wires, round_.op_names(), self.what)
+        count_seconds("launch_s", time.perf_counter() - began)
 
     @property
     def layout_digest(self) -> int:
@@ -111,10 +114,11 @@ class DelayedAverage:
         """Launch the next stage of every transfer whose current one finished; never waits.
         Costs one poll per dtype buffer while stages run; the watchdog is armed only around
         launches."""
-        if not self._transfer.ready():
-            return
-        with guarded_enqueue(self.what), self._round.naming_non_finite():
-            self._transfer.advance()
+        began = time.perf_counter()
+        if self._transfer.ready():
+            with guarded_enqueue(self.what), self._round.naming_non_finite():
+                self._transfer.advance()
+        count_seconds("poll_s", time.perf_counter() - began)
 
     def apply(self, transform: Optional[AverageTransform] = None) -> None:
         """Wait for the average (bounded), then ``tensor = average + (tensor - snapshot)``.
@@ -128,7 +132,9 @@ class DelayedAverage:
             NonFiniteError: float16 and a NaN/Inf on some rank at the start.
             HorovodInternalError: Horovod failed or shut down meanwhile.
         """
+        began = time.perf_counter()
         self._wait()
+        count_seconds("apply_wait_s", time.perf_counter() - began)
         if not self._round.packing.still_bound():
             raise RuntimeError(
                 f"{self.what}: a tensor's .data was replaced (model.to(), load_state_dict(assign="

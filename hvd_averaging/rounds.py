@@ -24,6 +24,7 @@ caught by the timeout.)
 
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Optional
@@ -37,7 +38,7 @@ from .flat_storage import Packing, pack
 from .params import TensorsLike, check_local_layout, collect_parameters, first_non_finite
 from .process_sets import members
 from .routes import routes
-from .traffic import count_round
+from .traffic import count_round, count_seconds
 from .transports import Transport
 from .wire import NonFiniteOnWire, WireCodec, wire_format
 from .world import current_world
@@ -112,7 +113,9 @@ class Round:
 
     def transport(self) -> Transport:
         nbytes = sum(slab.flat.numel() * slab.flat.element_size() for slab in self.packing.slabs)
-        return self.codec.transport(routes().route(self.process_set, nbytes, self.node_aware))
+        device = self.packing.slabs[0].flat.device
+        return self.codec.transport(routes().route(self.process_set, nbytes, self.node_aware,
+                                                   device))
 
     def op_names(self) -> list[str]:
         """One stable name per dtype buffer (Horovod's response cache hits round after round)."""
@@ -219,9 +222,11 @@ def average_tensors(
     ``compression``: ``"fp16"`` (or ``hvd.Compression.fp16``) sends float16 on the wire, scaled
     so that nothing overflows; ``"int8"`` (or :class:`~hvd_averaging.wire.Int8`) sends int8
     with a scale per block across the link; :mod:`hvd_averaging.wire` states the error bounds.
-    ``node_aware``: None lets the set's placement choose (node-aware stages across nodes with
-    several ranks each, for buffers of at least 1 MiB; see :mod:`hvd_averaging.routes`), False
-    forces one flat allreduce, True node-aware stages wherever the set allows them.
+    ``node_aware``: None lets the library choose (where the set spans nodes with several ranks
+    each, for buffers of at least 1 MiB, ``HVA_ROUTE``: by default the faster of node-aware
+    stages and one flat allreduce, timed at the set's first round of that size; see
+    :mod:`hvd_averaging.routes`), False forces one flat allreduce, True node-aware stages
+    wherever the set allows them.
 
     Raises:
         ValueError: mixed devices or sparse tensors; TypeError: integer tensors (whatever the
@@ -238,6 +243,7 @@ def average_tensors(
             transfer of the round writes into.
         HorovodInternalError: Horovod failed or was shut down during the round.
     """
+    began = time.perf_counter()
     round_ = begin_round(tensors, process_set, name=name, bind=bind, check_finite=check_finite,
                          context=context, compression=compression, node_aware=node_aware)
     if round_ is None:
@@ -257,6 +263,8 @@ def average_tensors(
             raise
     for slab in slabs:
         slab.copy_out()
+    over_all = len(round_.set_ranks) == hvd.size()
+    count_seconds("global_round_s" if over_all else "local_round_s", time.perf_counter() - began)
 
 
 def average_parameters(params: TensorsLike, process_set: Optional[hvd.ProcessSet] = None, *,

@@ -1,26 +1,33 @@
 """Which way a process set's averaging rounds travel, and the process sets that way needs.
 
-A set whose ranks sit on several nodes, the same number on every node, averages node-aware
+A set whose ranks sit on several nodes, the same number on every node, can average node-aware
 (:class:`~hvd_averaging.transports.NodeAware`): it needs its node groups and rails registered
-as process sets (with one rank per node the rail is the set itself: reduce-scatter plus
-allgather across the nodes, which OpenMPI runs faster than its allreduce; under Gloo such a set
-stays flat, Gloo's allreduce being the faster). Every other set, and every buffer too small for
-the stages to pay off, takes one flat allreduce. The choice is made once per set, from the
-placement every rank shares, so all members take the same way. A :class:`Route` names the sets
-a round crosses and builds the transports in the buffers' own dtype; the wire formats
-(:mod:`hvd_averaging.wire`) wrap or replace the stage that crosses the link.
+as process sets (with one rank per node under MPI the rail is the set itself: reduce-scatter
+plus allgather across the nodes; under Gloo such a set stays flat). Every other set, and every
+buffer below ``NODE_AWARE_MIN_BYTES``, takes one flat allreduce. Between the two, ``HVA_ROUTE``
+decides: by default the library times both at the set's first round of each size class
+(:mod:`.route_probe`) and keeps the faster for the world; ``node-aware`` or ``flat`` fixes
+it. Every member takes the same way (the same placement, the same measured numbers), and the
+choice is reported in ``hva.traffic().routes`` and the ``hvd_averaging`` log. A :class:`Route`
+names the sets a round crosses and builds the transports in the buffers' own dtype; the wire
+formats (:mod:`hvd_averaging.wire`) wrap or replace the stage that crosses the link.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import NamedTuple, Optional
 
 import horovod.torch as hvd
+import torch
 
+from .env_settings import route_policy
 from .placement import known_rank_to_node, rank_to_node
 from .process_sets import ProcessSetNotRegistered, members, register_groups
 from .startup import elastic_job
+from .route_probe import probe_seconds
 from .topology import node_aware_groups
+from .traffic import record_route
 from .transports import FlatAllreduce, NodeAware, ReduceScatterAllgather, Transport
 from .world import current_world
 
@@ -78,6 +85,14 @@ class Route(NamedTuple):
                          scatter_by_alltoall=self.scatter_by_alltoall)
 
 
+class RouteChoice(NamedTuple):
+    """Node-aware or flat for a set and a size class, and why (``seconds``: what was measured)."""
+
+    node_aware: bool
+    why: str
+    seconds: Optional[dict] = None
+
+
 class NodeAwareSets(NamedTuple):
     """This rank's node group and rail for one set (see :func:`~hvd_averaging.topology.node_aware_groups`)."""
 
@@ -95,6 +110,7 @@ class Routes:
     def __init__(self) -> None:
         self._staged: dict[int, Optional[NodeAwareSets]] = {}
         self._crosses: dict[int, bool] = {}
+        self._chosen: dict[tuple, RouteChoice] = {}  # (set id, members, size class) -> choice
 
     def _placement(self) -> Optional[list]:
         known = known_rank_to_node()
@@ -137,12 +153,50 @@ class Routes:
         return self._staged.get(process_set.process_set_id)
 
     def takes_node_aware(self, process_set: hvd.ProcessSet, nbytes: int,
-                         node_aware: Optional[bool] = None) -> bool:
-        """Whether a round of ``nbytes`` over ``process_set`` goes node-aware (local): the set
-        must have node-aware sets; ``node_aware`` None chooses by ``NODE_AWARE_MIN_BYTES``."""
+                         node_aware: Optional[bool] = None,
+                         device: Optional[torch.device] = None) -> bool:
+        """Whether a round of ``nbytes`` over ``process_set`` goes node-aware: the set must have
+        node-aware sets and the round at least ``NODE_AWARE_MIN_BYTES``; ``node_aware`` forces
+        one way; else ``HVA_ROUTE`` decides, by default by measuring both at the set's first
+        round of this size class (collective then: see :meth:`choice`)."""
         if self.node_aware_sets(process_set) is None:
             return False
-        return node_aware if node_aware is not None else nbytes >= NODE_AWARE_MIN_BYTES
+        if node_aware is not None:
+            return node_aware
+        return nbytes >= NODE_AWARE_MIN_BYTES and self.choice(process_set, nbytes, device).node_aware
+
+    def choice(self, process_set: hvd.ProcessSet, nbytes: int,
+               device: Optional[torch.device] = None) -> "RouteChoice":
+        """How rounds of about ``nbytes`` (the same power of two) over a set that can go
+        node-aware travel, and why. Under ``HVA_ROUTE=measure`` the first call for a size class
+        times both ways (:func:`~hvd_averaging.route_probe.probe_seconds`; collective over the
+        set, which every member reaches at the same round) and keeps the faster for this world."""
+        key = (process_set.process_set_id, tuple(members(process_set)), nbytes.bit_length())
+        found = self._chosen.get(key)
+        if found is None:
+            found = self._chosen[key] = self._choose(process_set, nbytes, device)
+            record_route(f"{members(process_set)}, {nbytes / 2 ** 20:.1f} MiB",
+                         f"{'node-aware' if found.node_aware else 'flat'} ({found.why})")
+            logging.getLogger("hvd_averaging").info(
+                "rounds of %.1f MiB over process set %s: %s (%s)", nbytes / 2 ** 20,
+                members(process_set), "node-aware" if found.node_aware else "flat", found.why)
+        return found
+
+    def _choose(self, process_set: hvd.ProcessSet, nbytes: int,
+                device: Optional[torch.device]) -> "RouteChoice":
+        policy = route_policy()
+        if policy != "measure":
+            return RouteChoice(policy == "node-aware", f"HVA_ROUTE={policy}")
+        candidates = {"flat": self._route(process_set, False).float_transport(),
+                      "node-aware": self._route(process_set, True).float_transport()}
+        seconds = probe_seconds(candidates, process_set, nbytes, device or torch.device("cpu"))
+        why = f"measured: node-aware {seconds['node-aware']:.4f} s, flat {seconds['flat']:.4f} s"
+        return RouteChoice(seconds["node-aware"] < seconds["flat"], why, seconds)
+
+    def decided(self, process_set: hvd.ProcessSet, nbytes: int) -> Optional["RouteChoice"]:
+        """The choice made for rounds of about ``nbytes`` over the set, if any (local)."""
+        key = (process_set.process_set_id, tuple(members(process_set)), nbytes.bit_length())
+        return self._chosen.get(key)
 
     def crosses_nodes(self, process_set: hvd.ProcessSet) -> bool:
         """Whether the set's members sit on several nodes (False while the placement is unknown)."""
@@ -154,20 +208,24 @@ class Routes:
             self._crosses[set_id] = len({placement[r] for r in members(process_set)}) > 1
         return self._crosses[set_id]
 
-    def route(self, process_set: hvd.ProcessSet, nbytes: int,
-              node_aware: Optional[bool] = None) -> Route:
+    def route(self, process_set: hvd.ProcessSet, nbytes: int, node_aware: Optional[bool] = None,
+              device: Optional[torch.device] = None) -> Route:
         """The sets a round of ``nbytes`` (all its dtype buffers) crosses over ``process_set``.
 
         The global set is prepared here on first use (every rank is a member, so every rank
         calls this); other sets only by :meth:`prepare` (an averager does it at construction).
-        ``node_aware``: None chooses (node-aware for sets that can and rounds of at least
-        ``NODE_AWARE_MIN_BYTES``), False forces flat, True forces node-aware where the set can.
+        ``node_aware``: None chooses (:meth:`takes_node_aware`), False forces flat, True forces
+        node-aware where the set can. ``device``: the buffers' (a measurement's scratch buffer).
         """
         if process_set.process_set_id == hvd.global_process_set.process_set_id:
             self.prepare(process_set)
+        return self._route(process_set, self.takes_node_aware(process_set, nbytes, node_aware,
+                                                              device))
+
+    def _route(self, process_set: hvd.ProcessSet, node_aware: bool) -> Route:
         ranks = len(members(process_set))
         crosses = self.crosses_nodes(process_set)
-        if not self.takes_node_aware(process_set, nbytes, node_aware):
+        if not node_aware:
             return Route(process_set, ranks, crosses)
         staged = self.node_aware_sets(process_set)
         gloo = not hvd.mpi_enabled()  # measured: Gloo's allreduce and alltoall are its fast ones
@@ -191,7 +249,16 @@ def prepare_process_set(process_set: hvd.ProcessSet) -> None:
 
 
 def averaging_route(process_set: Optional[hvd.ProcessSet] = None, nbytes: int = 1 << 30) -> str:
-    """``"node-aware"`` or ``"flat"``: how a buffer of ``nbytes`` travels over ``process_set``
-    now (local; call after the set was prepared or averaged over once)."""
+    """How a buffer of ``nbytes`` travels over ``process_set`` (local; call after the set was
+    prepared or averaged over once): ``"flat"`` (it cannot go node-aware, or chose not to),
+    ``"node-aware"``, or ``"to be measured"`` (it can go node-aware and no round of this size
+    class has been timed yet under ``HVA_ROUTE=measure``)."""
     process_set = process_set if process_set is not None else hvd.global_process_set
-    return "node-aware" if routes().takes_node_aware(process_set, nbytes) else "flat"
+    table = routes()
+    if table.node_aware_sets(process_set) is None or nbytes < NODE_AWARE_MIN_BYTES:
+        return "flat"
+    found = table.decided(process_set, nbytes)
+    if found is None and route_policy() == "measure":
+        return "to be measured"
+    node_aware = found.node_aware if found is not None else route_policy() == "node-aware"
+    return "node-aware" if node_aware else "flat"

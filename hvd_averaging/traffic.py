@@ -3,13 +3,14 @@ what a network interface sent, as the kernel counts it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
 from .world import current_world
 
-__all__ = ["TrafficCounters", "traffic", "reset_traffic", "count_round", "interface_tx_bytes"]
+__all__ = ["TrafficCounters", "traffic", "reset_traffic", "count_round", "count_seconds",
+           "record_route", "interface_tx_bytes"]
 
 
 @dataclass
@@ -24,12 +25,29 @@ class TrafficCounters:
             than one node (what crosses the link between nodes: a node-aware round hands them
             only this rank's share; counted when the placement is known, i.e. after
             ``hva.init()``).
+        global_round_s, local_round_s: seconds inside rounds that finish before returning
+            (levels without ``delay``), over all ranks or smaller sets: packing, checks and the
+            wait for the collectives.
+        launch_s: seconds starting delayed rounds (the snapshot, what travels, the first stage).
+        poll_s: seconds moving delayed rounds on (one poll per training step, and the launch
+            of each next stage).
+        apply_wait_s: seconds waiting, at a delayed round's apply step, for what had not
+            arrived yet.
+        routes: ``{"[ranks], size": "node-aware (why)" or "flat (why)"}``: the way chosen for
+            each set that can average node-aware and each size class, with the times measured
+            (``HVA_ROUTE``; see :mod:`hvd_averaging.routes`).
     """
 
     global_allreduces: int = 0
     local_allreduces: int = 0
     bytes: int = 0
     cross_node_bytes: int = 0
+    global_round_s: float = 0.0
+    local_round_s: float = 0.0
+    launch_s: float = 0.0
+    poll_s: float = 0.0
+    apply_wait_s: float = 0.0
+    routes: dict = field(default_factory=dict)
 
 
 class _TrafficBook:
@@ -52,6 +70,17 @@ def count_round(over_all_ranks: bool, nbytes: int, cross_node_bytes: int) -> Non
     counters.cross_node_bytes += cross_node_bytes
 
 
+def count_seconds(stage: str, seconds: float) -> None:
+    """Add ``seconds`` to the counter named ``stage`` (one of the ``*_s`` fields)."""
+    counters = current_world().component(_TrafficBook).counters
+    setattr(counters, stage, getattr(counters, stage) + seconds)
+
+
+def record_route(where: str, chosen: str) -> None:
+    """Report the way chosen for a set and size class in the counters."""
+    current_world().component(_TrafficBook).counters.routes[where] = chosen
+
+
 def traffic() -> TrafficCounters:
     """A snapshot of this rank's traffic counters (see :class:`TrafficCounters`).
 
@@ -61,7 +90,8 @@ def traffic() -> TrafficCounters:
         >>> ...  # train
         >>> print(hva.traffic().cross_node_bytes / 1e6, "MB over the link between nodes")
     """
-    return replace(current_world().component(_TrafficBook).counters)
+    counters = current_world().component(_TrafficBook).counters
+    return replace(counters, routes=dict(counters.routes))
 
 
 def reset_traffic() -> None:

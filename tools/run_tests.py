@@ -316,9 +316,10 @@ def run_horovod_recipe(timeout_s: int) -> bool:
 def check_race_results(summary: dict, written: list[str]) -> list[str]:
     """What the race's fast mode must show; returns the problems found."""
     problems = []
-    top = ("target_loss", "budget_s", "regime", "methods")
+    top = ("target_loss", "budget_s", "regime", "speedup_ceiling", "methods")
     fields = ("method", "label", "final_loss", "steps", "wall_s", "time_to_target_s",
-              "speedup_vs_baseline", "compute_utilization", "cross_node_mb_per_rank", "seeds")
+              "speedup_vs_baseline", "fraction_of_ceiling", "compute_utilization",
+              "cross_node_mb_per_rank", "seeds")
     problems += [f"results.json lacks {k!r}" for k in top if k not in summary]
     methods = summary.get("methods", [])
     problems += [f"{m.get('method')} lacks {k!r}" for m in methods for k in fields if k not in m]
@@ -335,6 +336,18 @@ def check_race_results(summary: dict, written: list[str]) -> list[str]:
             if seed["steps"] < 2:
                 problems.append(f"{m['method']}: {seed['steps']} steps")
     baseline = methods[0]["seeds"][0]
+    # the ceiling: the baseline's step in the race over the calibration's step of pure compute
+    ceiling = baseline["wall_s"] / baseline["steps"] / summary["regime"]["compute_step_s"]
+    if not math.isclose(summary["speedup_ceiling"], ceiling, rel_tol=1e-9) or not ceiling > 1:
+        problems.append(f"speed-up ceiling {summary['speedup_ceiling']}, the baseline's step over "
+                        f"the compute step gives {ceiling}")
+    for m in methods:
+        for seed in m["seeds"]:
+            expected = None if seed["speedup_vs_baseline"] is None \
+                else seed["speedup_vs_baseline"] / summary["speedup_ceiling"]
+            if seed["fraction_of_ceiling"] != expected:
+                problems.append(f"{m['method']}: fraction of the ceiling "
+                                f"{seed['fraction_of_ceiling']}, its speed-up says {expected}")
     # the target is the baseline's own final held-out loss, read off its own curve
     if baseline["curve"][-1][-1] != summary["target_loss"]:
         problems.append(f"target {summary['target_loss']} is not the baseline's final "

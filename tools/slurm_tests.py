@@ -214,6 +214,9 @@ def run_fault(slurm: SlurmCluster, fault: str) -> bool:
         state, over = _wait_over(slurm, job, fault_at, bound + 60)
         output = (out / "job.out").read_text(errors="replace")
         accounts = read_accounts(out, 4)
+        # judged while the checkpoints are still there
+        lost = ranks_on(accounts, slurm.cluster.nodes[2]) if fault == "kill" else set()
+        problems = fault_problems(accounts, lost)
     # Every rank off a killed node accounts for itself in its record (tools/rank_records.py):
     # it raised and checkpointed, the watchdog ended it (a rank blocked inside Horovod when MPI's
     # peer is gone mid-transfer), or a SIGTERM did (Open MPI aborting a peer of a rank that
@@ -222,8 +225,6 @@ def run_fault(slurm: SlurmCluster, fault: str) -> bool:
     # its last answered ping, which can come before the library's timeout (seen in a
     # fresh-clone make test: NODE_FAIL 18-22 s after the cut). Then SLURM, not a rank, names the
     # cause, in the job's state (NODE_FAIL), and every surviving rank was stopped by a signal.
-    lost = ranks_on(accounts, slurm.cluster.nodes[2]) if fault == "kill" else set()
-    problems = fault_problems(accounts, lost)
     if state not in ("FAILED", "NODE_FAIL", "TIMEOUT") or over > bound:
         problems.append(f"final state {state} {over:.1f} s after the fault (bound {bound} s)")
     return _say(label, not problems,

@@ -5,6 +5,8 @@
 - ``local``: local SGD, parameters averaged every ``period`` steps;
 - ``postlocal``: gradient allreduce for a warm-up, then local SGD (node-local gradients);
 - ``hierarchical``: the node every few steps, everyone every ``period``;
+- ``local-overlap`` / ``hierarchical-overlap``: the same, the top level's round overlapped with
+  the next ``delay`` steps (``delay=`` of the averagers);
 - ``diloco`` / ``hierdiloco``: DiLoCo's outer Nesterov step at the top level, overlapped with
   the next ``outer_delay`` inner steps (Streaming DiLoCo) unless ``outer_delay`` is 0.
 """
@@ -24,8 +26,10 @@ from hvd_averaging.examples.race import Trainer
 __all__ = ["METHODS", "DEFAULT_METHODS", "build_trainer", "label", "check_race_args",
            "parse_hierarchy", "parse_methods"]
 
-METHODS = ("baseline", "local", "postlocal", "hierarchical", "diloco", "hierdiloco")
-DEFAULT_METHODS = ("baseline", "local", "hierarchical", "diloco", "hierdiloco")
+METHODS = ("baseline", "local", "local-overlap", "postlocal", "hierarchical",
+           "hierarchical-overlap", "diloco", "hierdiloco")
+DEFAULT_METHODS = ("baseline", "local", "local-overlap", "hierarchical", "hierarchical-overlap",
+                   "diloco", "hierdiloco")
 
 
 def parse_hierarchy(text: str) -> dict[int, int]:
@@ -61,6 +65,9 @@ def check_race_args(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and (not isinstance(value, int) or value < 1):
             raise ValueError(f"--{name.replace('_', '-')} {value}: must be a positive integer")
+    if not 0 < args.delay < args.period:
+        raise ValueError(f"--delay {args.delay}: the overlapped methods' overlap must be shorter "
+                         f"than their period ({args.period}); use 1..{args.period - 1}")
     if not 0 <= args.outer_delay < args.outer_period:
         raise ValueError(f"--outer-delay {args.outer_delay}: the overlap must be shorter than "
                          f"the outer period ({args.outer_period}); use 0..{args.outer_period - 1}")
@@ -83,8 +90,10 @@ def label(method: str, args: argparse.Namespace) -> str:
     return {
         "baseline": f"hvd.DistributedOptimizer{' fp16' if args.baseline_fp16 else ''}",
         "local": f"local SGD (period {args.period})",
+        "local-overlap": f"local SGD (period {args.period}, overlap {args.delay})",
         "postlocal": f"post-local SGD (warm-up {args.warmup_percent}%, period {args.period})",
         "hierarchical": f"hierarchical SGD {levels(args.hierarchy)}",
+        "hierarchical-overlap": f"hierarchical SGD {levels(args.hierarchy)} (overlap {args.delay})",
         "diloco": f"DiLoCo (H {args.outer_period}, {outer})",
         "hierdiloco": f"hierarchical DiLoCo {levels(args.outer_hierarchy)} ({outer})",
     }[method] + wire
@@ -194,17 +203,20 @@ def build_trainer(method: str, model: torch.nn.Module, task, args, *,
     inner = task.inner_optimizer(model.parameters(), args.lr)
     # what crosses the link (the top level) travels in --cross-node-compression
     wire = {"compression": args.cross_node_compression, "error_feedback": args.error_feedback}
-    if method == "local":
-        opt = hva.PostLocalSGDOptimizer(inner, hva.PeriodicModelAverager(args.period, **wire))
+    if method in ("local", "local-overlap"):
+        delay = args.delay if method == "local-overlap" else 0
+        opt = hva.PostLocalSGDOptimizer(
+            inner, hva.PeriodicModelAverager(args.period, delay=delay, **wire))
     elif method == "postlocal":
         opt = hva.PostLocalSGD(
             inner, model.named_parameters(), start_localSGD_iter=warmup_steps,
             averager=hva.PeriodicModelAverager(args.period, warmup_steps=warmup_steps, **wire),
             local_group_size=args.local_group_size)
-    elif method == "hierarchical":
+    elif method in ("hierarchical", "hierarchical-overlap"):
         top = max(args.hierarchy)
+        delay = {top: args.delay} if method == "hierarchical-overlap" else 0
         opt = hva.PostLocalSGDOptimizer(inner, hva.HierarchicalModelAverager(
-            args.hierarchy, compression={top: wire["compression"]},
+            args.hierarchy, delay=delay, compression={top: wire["compression"]},
             error_feedback=wire["error_feedback"]))
     elif method in ("diloco", "hierdiloco"):
         top = args.outer_period if method == "diloco" else max(args.outer_hierarchy)

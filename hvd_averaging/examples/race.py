@@ -27,7 +27,7 @@ import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from hvd_averaging.gather_text import broadcast_text
-from hvd_averaging.traffic import interface_tx_bytes
+from hvd_averaging.traffic import interface_tx_bytes, traffic
 
 from hvd_averaging.examples.collectives import agreed_max, allgather_rows, allreduce, barrier
 
@@ -107,8 +107,20 @@ class MethodRun:
     wall_s: float = 0.0
     compute_s: float = 0.0
     communication_s: float = 0.0
+    agreement_s: float = 0.0  # the race's own stop agreements
     snapshots: list = field(default_factory=list)
     final: Optional[Snapshot] = None
+
+    def stage_seconds(self) -> dict[str, float]:
+        """Where this rank's communication time went, from the library's own counters
+        (``hva.traffic()``, reset before the run), and the race's own agreements."""
+        counted = traffic()
+        return {"node and other local rounds": counted.local_round_s,
+                "global rounds (blocking)": counted.global_round_s,
+                "delayed rounds: launch": counted.launch_s,
+                "delayed rounds: polls": counted.poll_s,
+                "delayed rounds: wait at apply": counted.apply_wait_s,
+                "the race's stop agreements": self.agreement_s}
 
 
 def grid_times(budget_s: float, points: int) -> list[float]:
@@ -196,7 +208,9 @@ def run_method(trainer: Trainer, batches: Iterator, limits: RaceLimits, *,
             if run.steps >= limits.steps:
                 break
         elif trainer.sync_point(run.steps):
+            began = time.perf_counter()
             agreed = agreed_max(now, f"{name}.clock.{run.steps}")
+            run.agreement_s += time.perf_counter() - began
             ahead = next(k for k in range(1, 1_000_000) if trainer.sync_point(run.steps + k))
             stop = stop_at_sync_point(agreed, run.steps, last_sync, ahead, limits.budget_s)
             last_sync = (agreed, run.steps)

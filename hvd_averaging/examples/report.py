@@ -6,7 +6,7 @@ import statistics
 from pathlib import Path
 from typing import Optional, Sequence
 
-__all__ = ["summarize", "table", "plot"]
+__all__ = ["speedup_ceiling", "summarize", "table", "plot"]
 
 
 def _mean(values: Sequence[Optional[float]]) -> Optional[float]:
@@ -21,14 +21,32 @@ def _spread(values: Sequence[Optional[float]]) -> Optional[list[float]]:
     return [min(known), max(known)] if len(known) > 1 else None
 
 
-def summarize(method: str, label: str, seeds: list[dict]) -> dict:
-    """One method over its seeds: means (None where a seed missed), min-max spreads, per seed."""
+def speedup_ceiling(baseline_seeds: list[dict], compute_step_s: float) -> Optional[float]:
+    """The most any method could gain over the baseline: its wall seconds per step in the race
+    over one step of pure compute (same model, batch and inner optimizer, no communication;
+    measured in the calibration). None without a baseline."""
+    if not baseline_seeds or not compute_step_s > 0:
+        return None
+    return statistics.fmean(s["wall_s"] / s["steps"] for s in baseline_seeds) / compute_step_s
+
+
+def summarize(method: str, label: str, seeds: list[dict],
+              ceiling: Optional[float] = None) -> dict:
+    """One method over its seeds: means (None where a seed missed), min-max spreads, per seed;
+    with a ``ceiling``, each speed-up's ``fraction_of_ceiling``."""
+    for seed in seeds:
+        speedup = seed.get("speedup_vs_baseline")
+        seed["fraction_of_ceiling"] = None if speedup is None or not ceiling else speedup / ceiling
     keys = ("final_loss", "steps", "wall_s", "time_to_target_s", "speedup_vs_baseline",
-            "compute_utilization", "communication_share", "cross_node_mb_per_rank")
+            "fraction_of_ceiling", "compute_utilization", "communication_share",
+            "cross_node_mb_per_rank")
     out = {"method": method, "label": label}
     for key in keys:
         out[key] = _mean([s.get(key) for s in seeds])
         out[f"{key}_spread"] = _spread([s.get(key) for s in seeds])
+    stages = [s["stage_shares"] for s in seeds if s.get("stage_shares")]
+    out["stage_shares"] = {stage: statistics.fmean(s[stage] for s in stages)
+                           for stage in stages[0]} if stages else {}
     out["reached_in"] = f"{sum(s['time_to_target_s'] is not None for s in seeds)} of {len(seeds)}"
     out["seeds"] = seeds
     return out
@@ -46,20 +64,35 @@ def _fmt(value: Optional[float], spec: str, spread: Optional[list] = None, unit:
 def table(methods: list[dict], metric: str) -> str:
     """Markdown: one row per method (mean over seeds, min-max in brackets with several)."""
     rows = [f"| method | {metric} at the budget | steps | wall s | time to target | speed-up "
-            "| compute utilization | communication share | MB/rank across the link |",
-            "|---|---|---|---|---|---|---|---|---|"]
+            "| of the ceiling | compute utilization | communication share | MB/rank across the link |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for m in methods:
         ttt = _fmt(m["time_to_target_s"], ".1f", m["time_to_target_s_spread"], " s")
         speedup = _fmt(m["speedup_vs_baseline"], ".2f", m["speedup_vs_baseline_spread"], "x")
+        of_ceiling = _fmt(m["fraction_of_ceiling"], ".2f", m["fraction_of_ceiling_spread"])
         reached = sum(s["time_to_target_s"] is not None for s in m["seeds"])
         if 0 < reached < len(m["seeds"]):
-            ttt, speedup = f"reached in {m['reached_in']} seeds", "-"
+            ttt, speedup, of_ceiling = f"reached in {m['reached_in']} seeds", "-", "-"
         mb, share = m["cross_node_mb_per_rank"], m["communication_share"]
         rows.append(
             f"| {m['label']} | {_fmt(m['final_loss'], '.4f', m['final_loss_spread'])} | "
-            f"{m['steps']:.0f} | {m['wall_s']:.1f} | {ttt} | {speedup} | "
+            f"{m['steps']:.0f} | {m['wall_s']:.1f} | {ttt} | {speedup} | {of_ceiling} | "
             f"{m['compute_utilization']:.2f} | {'-' if share is None else f'{share:.2f}'} | "
             f"{'-' if mb is None else f'{mb:.1f}'} |")
+    return "\n".join(rows) + _stage_table(methods)
+
+
+def _stage_table(methods: list[dict]) -> str:
+    """Where each method's communication time goes (shares of its wall time, from the
+    library's counters), for the methods that average."""
+    measured = [m for m in methods if any(m.get("stage_shares", {}).values())]
+    if not measured:
+        return ""
+    stages = list(measured[0]["stage_shares"])
+    rows = ["", "", "Share of the wall time per stage (rank mean; the library's counters):", "",
+            "| method | " + " | ".join(stages) + " |", "|---|" + "---|" * len(stages)]
+    rows += [f"| {m['label']} | " + " | ".join(f"{m['stage_shares'][s]:.3f}" for s in stages)
+             + " |" for m in measured]
     return "\n".join(rows)
 
 

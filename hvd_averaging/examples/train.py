@@ -17,7 +17,6 @@ import argparse
 import json
 import shutil
 import statistics
-import time
 from pathlib import Path
 
 import horovod.torch as hvd
@@ -25,99 +24,18 @@ import torch
 
 import hvd_averaging as hva
 from hvd_averaging.deadlines import blocking_call
+from hvd_averaging.examples.calibration import calibrate, check_link_fits_timeout
 from hvd_averaging.examples.collectives import allgather_rows, barrier
 from hvd_averaging.examples.methods import (DEFAULT_METHODS, build_trainer, check_race_args,
                                             label, parse_hierarchy, parse_methods)
 from hvd_averaging.examples.race import (RaceLimits, evaluate_snapshots, grid_times,
                                          pick_on_grid, run_method, shared_folder, time_to_reach)
-from hvd_averaging.examples.report import plot, summarize, table
+from hvd_averaging.examples.report import plot, speedup_ceiling, summarize, table
+from hvd_averaging.examples.settings import RaceSettings
 from hvd_averaging.examples.tasks import TASKS
 from hvd_averaging.wire import WIRE_FORMATS
 
-__all__ = ["main", "parse_args", "measure_regime", "race_one_seed"]
-
-TARGET_RATIO = (4.0, 5.0)  # the baseline's allreduce across the link against a step's compute
-
-
-def measure_regime(task, args, repeats: int = 5) -> tuple[float, float]:
-    """One training step's compute and one gradient allreduce as the baseline sends it (fp16
-    when ``--baseline-fp16``), medians of ``repeats`` after a warm-up, slowest rank."""
-    model = task.model(args.seed)
-    opt = task.inner_optimizer(model.parameters(), args.lr)
-    batches = task.batches(hvd.rank(), hvd.size(), args.seed)
-    dtype = torch.float16 if args.baseline_fp16 else torch.float32
-    grads = [torch.zeros_like(p, dtype=dtype) for p in model.parameters()]
-    computes, allreduces = [], []
-    for _ in range(repeats + 1):
-        x, y = next(batches)
-        barrier("calibration: before a step")
-        began = time.perf_counter()
-        opt.zero_grad()
-        task.loss(model, x, y).backward()
-        opt.step()
-        computes.append(time.perf_counter() - began)
-        barrier("calibration: before the allreduce")
-        began = time.perf_counter()
-        with blocking_call("calibration: the baseline's gradient allreduce"):
-            hvd.grouped_allreduce_(grads, op=hvd.Average, name="demo.regime")
-        allreduces.append(time.perf_counter() - began)
-    mine = (statistics.median(computes[1:]), statistics.median(allreduces[1:]))
-    measured = allgather_rows(mine, "demo.regime.all", "the calibration's timings")
-    return max(c for c, _ in measured), max(a for _, a in measured)
-
-
-def _request_rate(args, rate_mbit: float, attempt: int) -> None:
-    """Ask tools/run_demo.py (watching rank 0's output) to set the link rate, and wait for it."""
-    if hvd.rank() == 0:
-        done = Path(args.rate_control) / f"rate-set-{attempt}"
-        print(f"HVA-DEMO-SET-RATE {rate_mbit:.4f} {attempt}", flush=True)
-        deadline = time.monotonic() + 60
-        while not done.exists():
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the demo's launcher did not set the link rate ({done} missing)")
-            time.sleep(0.1)
-    barrier("the launcher set the link rate")
-
-
-def calibrate(task, args) -> dict:
-    """Measure the regime; with ``--rate-control``, move the link rate until the baseline's
-    allreduce costs 4-5x a step's compute (a = overhead + k / rate, fitted on the last two)."""
-    rate, points = args.rate_mbit, []
-    for attempt in range(5):
-        compute, allreduce = measure_regime(task, args)
-        points.append({"rate_mbit": rate, "compute_step_s": compute, "allreduce_s": allreduce})
-        ratio = allreduce / compute
-        if hvd.rank() == 0 and not args.quiet:
-            where = f"{rate:.2f} Mbit/s" if rate else "an unlimited link"
-            print(f"  regime at {where}: step {compute * 1e3:.0f} ms "
-                  f"of compute, allreduce {allreduce * 1e3:.0f} ms: {ratio:.1f}x", flush=True)
-        if args.rate_control is None or rate is None or TARGET_RATIO[0] <= ratio <= TARGET_RATIO[1]:
-            break
-        want = compute * sum(TARGET_RATIO) / 2
-        new_rate = rate * ratio / (sum(TARGET_RATIO) / 2)
-        if len(points) >= 2 and points[-2]["rate_mbit"] != rate:
-            (r0, a0), (r1, a1) = ((p["rate_mbit"], p["allreduce_s"]) for p in points[-2:])
-            slope = (a0 - a1) / (1 / r0 - 1 / r1)
-            overhead = a1 - slope / r1
-            if slope > 0 and want > overhead:
-                new_rate = slope / (want - overhead)
-        rate = min(max(new_rate, 0.5), 10_000.0)
-        _request_rate(args, rate, attempt)
-    compute, allreduce = points[-1]["compute_step_s"], points[-1]["allreduce_s"]
-    return {"compute_step_s": compute, "allreduce_s": allreduce, "ratio": allreduce / compute,
-            "rate_mbit": rate, "calibrated": args.rate_control is not None and len(points) > 1,
-            "target_ratio": list(TARGET_RATIO), "attempts": points}
-
-
-def check_link_fits_timeout(regime: dict, args) -> None:
-    """A model average across this link must fit the library's timeout (with room to spare)."""
-    model_average_s = regime["allreduce_s"] * (2 if args.baseline_fp16 else 1)
-    if model_average_s > hva.timeout() / 2:
-        raise ValueError(
-            f"link rate {regime['rate_mbit']} Mbit/s: one model average takes about "
-            f"{model_average_s:.1f} s, more than half the averaging timeout ({hva.timeout():g} s); "
-            "raise --rate-mbit or HVA_TIMEOUT_SECONDS")
-
+__all__ = ["main", "parse_args", "race_one_seed"]
 
 def race_one_seed(seed: int, args, task, baseline_steps: int, snapshots_dir) -> tuple[float, list[dict]]:
     """Every method once with this seed; returns (budget in seconds, per-method results, rank 0
@@ -138,10 +56,11 @@ def race_one_seed(seed: int, args, task, baseline_steps: int, snapshots_dir) -> 
         run = run_method(trainer, task.batches(hvd.rank(), hvd.size(), seed), limits,
                          link_interface=args.link_interface, quiet=args.quiet,
                          name=f"race.{seed}.{method}")
+        stages = run.stage_seconds()
         walls = allgather_rows((run.wall_s, run.compute_s / run.wall_s,
-                                run.communication_s / run.wall_s),
+                                run.communication_s / run.wall_s, *stages.values()),
                                f"race.{seed}.{method}.wall", f"{method}: every rank's wall time")
-        wall = max(w for w, _, _ in walls)
+        wall = max(w[0] for w in walls)
         budget = wall if budget is None else budget
         points = pick_on_grid(run.snapshots, grid_times(budget, args.grid_points), run.final)
         folder = snapshots_dir / f"seed{seed}-{method}" if snapshots_dir else None
@@ -157,10 +76,13 @@ def race_one_seed(seed: int, args, task, baseline_steps: int, snapshots_dir) -> 
             "seed": seed, "final_loss": final, "steps": run.steps, "wall_s": wall,
             "time_to_target_s": reached,
             "speedup_vs_baseline": budget / reached if reached else None,
-            "compute_utilization": statistics.fmean(u for _, u, _ in walls),
+            "compute_utilization": statistics.fmean(w[1] for w in walls),
             # the rest of the wall time: waiting for or running communication, then the race's
             # own bookkeeping (the stop agreement, reading the loss)
-            "communication_share": statistics.fmean(c for _, _, c in walls),
+            "communication_share": statistics.fmean(w[2] for w in walls),
+            # per stage, from the library's counters: its share of the wall time (rank mean)
+            "stage_shares": {stage: statistics.fmean(w[3 + i] / w[0] for w in walls)
+                             for i, stage in enumerate(stages)},
             "cross_node_mb_per_rank": curve[-1][2], "target_loss": target, "budget_s": budget,
             "curve": curve})
         if not args.quiet:
@@ -169,7 +91,7 @@ def race_one_seed(seed: int, args, task, baseline_steps: int, snapshots_dir) -> 
     return budget, results
 
 
-def parse_args(argv=None):
+def parse_args(argv=None) -> RaceSettings:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--task", choices=tuple(TASKS), default="charlm")
     parser.add_argument("--methods", type=parse_methods, default=DEFAULT_METHODS,
@@ -181,6 +103,8 @@ def parse_args(argv=None):
     parser.add_argument("--budget-s", type=float, default=None,
                         help="every method's budget, the baseline's too (default: the baseline's wall)")
     parser.add_argument("--period", type=int, default=16, help="local SGD's averaging period")
+    parser.add_argument("--delay", type=int, default=8,
+                        help="the overlapped local and hierarchical SGD's overlap (steps)")
     parser.add_argument("--hierarchy", type=parse_hierarchy, default=None,
                         help="hierarchical SGD's period:size pairs (default 2:2,16:WORLD)")
     parser.add_argument("--outer-period", type=int, default=16, help="DiLoCo's H")
@@ -204,6 +128,8 @@ def parse_args(argv=None):
                         help="int8's error feedback on that level")
     parser.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1")
     parser.add_argument("--full", action="store_true", help="3 seeds")
+    parser.add_argument("--long", action="store_true",
+                        help="3 seeds, the baseline about 5 minutes (--target-budget-s 300)")
     parser.add_argument("--grid-points", type=int, default=40, help="evaluations per method")
     parser.add_argument("--rate-mbit", type=float, default=None, help="the link rate now (run_demo)")
     parser.add_argument("--rate-control", default=None,
@@ -214,14 +140,9 @@ def parse_args(argv=None):
     parser.add_argument("--out", type=Path, default=Path("results/demo"))
     parser.add_argument("--fast", action="store_true", help="a short race (for tests)")
     parser.add_argument("--quiet", action="store_true")
-    args = parser.parse_args(argv)
-    if args.full:
-        args.seeds = 3
-    if args.fast:
-        args.target_budget_s, args.grid_points = 6.0, 8
-        args.period, args.outer_period, args.outer_delay = 4, 4, 2
-    check_race_args(args)
-    return args
+    settings = RaceSettings.from_args(parser.parse_args(argv))
+    check_race_args(settings)
+    return settings
 
 
 def main(argv=None) -> int:
@@ -230,11 +151,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)  # ranks share the cores
     task = TASKS[args.task]()
     size = hvd.size()
-    args.lr = task.default_lr if args.lr is None else args.lr
-    pair = min(2, size)
-    args.hierarchy = args.hierarchy or {2: pair, args.period: size}
-    args.outer_hierarchy = args.outer_hierarchy or {2: pair, args.outer_period: size}
-    args.local_group_size = min(args.local_group_size, size)
+    args = args.for_world(task.default_lr, size)
     regime = calibrate(task, args)
     check_link_fits_timeout(regime, args)
     baseline_steps = args.steps or max(4, round(
@@ -257,7 +174,8 @@ def main(argv=None) -> int:
     if hvd.rank() == 0 and snapshots_dir is not None:
         shutil.rmtree(snapshots_dir, ignore_errors=True)  # emptied rank by rank: only folders left
     if hvd.rank() == 0:
-        methods = [summarize(m, label(m, args), seeds) for m, seeds in per_method.items()]
+        ceiling = speedup_ceiling(per_method.get("baseline"), regime["compute_step_s"])
+        methods = [summarize(m, label(m, args), seeds, ceiling) for m, seeds in per_method.items()]
         targets = [s["target_loss"] for s in methods[0]["seeds"]]
         target = statistics.fmean(targets) if None not in targets else None
         md = table(methods, task.metric)
@@ -265,22 +183,23 @@ def main(argv=None) -> int:
                   f"{link}: step {regime['compute_step_s'] * 1e3:.0f} ms, "
                   f"baseline allreduce {regime['allreduce_s'] * 1e3:.0f} ms ({regime['ratio']:.1f}x); "
                   f"budget {statistics.fmean(budgets):.1f} s; target "
-                  f"{'none (no baseline)' if target is None else f'{task.metric} {target:.4f}'}")
+                  f"{'none (no baseline)' if target is None else f'{task.metric} {target:.4f}'}"
+                  + ("" if ceiling is None else f"; speed-up ceiling {ceiling:.2f}x (the "
+                     "baseline's step over a step of pure compute)"))
         print("\n" + header + "\n\n" + md, flush=True)
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "results.md").write_text(header + "\n\n" + md + "\n")
-        settings = {k: (v if not isinstance(v, Path) else str(v)) for k, v in vars(args).items()
-                    if k not in ("rate_control", "out")}
-        settings["hierarchy"] = {str(k): v for k, v in args.hierarchy.items()}
-        settings["outer_hierarchy"] = {str(k): v for k, v in args.outer_hierarchy.items()}
+        settings = args.as_json()
         (args.out / "results.json").write_text(json.dumps({
             "task": args.task, "metric": task.metric, "lower_is_better": task.lower_is_better,
             "ranks": size, "baseline_steps": baseline_steps, "target_loss": target,
             "target_loss_per_seed": targets, "budget_s": statistics.fmean(budgets),
-            "budget_s_per_seed": budgets, "regime": regime, "settings": settings,
+            "budget_s_per_seed": budgets, "regime": regime, "speedup_ceiling": ceiling,
+            "settings": settings,
             "methods": methods}, indent=1))
         title = (f"{task.name}, {size} ranks, link {link} "
-                 f"(allreduce {regime['ratio']:.1f}x a step), {args.seeds} seed(s)")
+                 f"(allreduce {regime['ratio']:.1f}x a step), {args.seeds} seed(s)"
+                 + ("" if ceiling is None else f"; speed-up ceiling {ceiling:.2f}x"))
         plots = plot(methods, target, statistics.fmean(budgets), task.metric, title, args.out)
         print(f"\nwrote {args.out}/results.md, results.json, {', '.join(plots)}", flush=True)
     return 0

@@ -13,7 +13,7 @@ import torch
 import hvd_averaging as hva
 from helpers import expect_error_on_every_rank, param
 from hvd_averaging.rounds import average_tensors
-from hvd_averaging.routes import averaging_route
+from hvd_averaging.routes import averaging_route, routes
 from hvd_averaging.traffic import interface_tx_bytes
 from hvd_averaging.transports import FlatAllreduce, NodeAware, ReduceScatterAllgather
 from hvd_averaging.wire import COMPRESSION_CHOICES, Fp16Wire, fp16_error_bound, fp16_scale
@@ -89,7 +89,16 @@ def test_route_follows_the_placement_and_counts_what_crosses(world, rank):
     params = random_params(rank)
     hva.average_parameters(params)  # agreement and registration happen here, not measured below
     route = averaging_route(hvd.global_process_set, NUMEL * 4)
-    assert hvd.allgather_object(route) == [expected_route(world)] * world
+    assert hvd.allgather_object(route) == [route] * world  # every rank takes the same way
+    if expected_route(world) == "flat":  # one host, or one rank per node under Gloo
+        assert route == "flat"
+    else:
+        # HVA_ROUTE=measure: the first round timed both ways; the faster one was kept
+        chosen = routes().decided(hvd.global_process_set, NUMEL * 4)
+        assert hvd.allgather_object(chosen.seconds) == [chosen.seconds] * world
+        faster = min(chosen.seconds, key=chosen.seconds.get)
+        assert route == faster, (route, chosen)
+        assert chosen.why.startswith("measured: node-aware "), chosen.why
     # small buffers stay flat: four stages would cost more latency than they save
     assert averaging_route(hvd.global_process_set, 1000) == "flat"
     model_bytes = NUMEL * 4 + 35 * 8
@@ -128,7 +137,7 @@ def test_node_aware_equals_flat_within_float_reassociation(world, rank, rail_all
     average_tensors(flat_params, node_aware=False, name="test.flat")
     if expected_route(world) == "node-aware":
         average_tensors(staged_params, node_aware=True, name=f"test.staged.{rail_allreduce}")
-        assert averaging_route(hvd.global_process_set, NUMEL * 4) == "node-aware"
+        assert routes().node_aware_sets(hvd.global_process_set) is not None
     else:
         buffer = staged_params[0].detach().clone()
         staged_params[0].data.copy_(drive(pseudo_nodes(world, rail_allreduce), buffer,

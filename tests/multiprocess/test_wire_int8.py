@@ -13,8 +13,7 @@ import torch
 import hvd_averaging as hva
 from helpers import expect_error_on_every_rank, param
 from hvd_averaging.rounds import average_tensors
-from hvd_averaging.routes import averaging_route
-from hvd_averaging.routes import Route
+from hvd_averaging.routes import Route, routes
 from hvd_averaging.wire import COMPRESSION_CHOICES, Int8, int8_error_bound, window_absmax
 from hvd_averaging.wire.int8 import Int8Exchange, Residuals
 from hvd_averaging.wire.int8_blocks import piece_bounds
@@ -66,7 +65,7 @@ def test_int8_within_bound_and_bit_identical(world, rank, node_aware):
         average_tensors(out, compression="int8", node_aware=node_aware, name=f"test.int8.{node_aware}")
         result = out[0].detach()
         if node_aware and world // NODES > 1:
-            assert averaging_route(hvd.global_process_set, NUMEL * 4) == "node-aware"
+            assert routes().node_aware_sets(hvd.global_process_set) is not None
     error = (result.double() - exact).abs()
     bound = int8_error_bound(window_absmax(everyone, BLOCK).double(), world)
     assert bool((error <= bound).all()), float((error / bound).max())

@@ -81,18 +81,19 @@ def test_race_arguments_defaults_are_accepted():
     args = _args()
     assert args.methods[0] == "baseline" and args.outer_delay < args.outer_period
     assert _args("--full").seeds == 3
+    long = _args("--long")
+    assert (long.seeds, long.target_budget_s) == (3, 300.0)
 
 
 def test_cross_node_compression_is_named_in_every_averaging_label():
     from hvd_averaging.examples.methods import label
-    args = _args("--cross-node-compression", "int8", "--error-feedback")
-    args.hierarchy = args.outer_hierarchy = {2: 2, 16: 4}
+    args = _args("--cross-node-compression", "int8", "--error-feedback").for_world(0.01, 4)
     assert label("baseline", args) == "hvd.DistributedOptimizer"
     for method in ("local", "hierarchical", "diloco", "hierdiloco"):
         assert label(method, args).endswith(", int8 with error feedback across nodes")
-    plain = _args()
-    plain.hierarchy = plain.outer_hierarchy = {2: 2, 16: 4}
+    plain = _args().for_world(0.01, 4)
     assert "across nodes" not in label("local", plain)
+    assert label("local", args.with_wire("none", False)) == label("local", plain)
     with pytest.raises(SystemExit):  # argparse names the choices
         _args("--cross-node-compression", "int4")
 
@@ -102,6 +103,8 @@ def test_cross_node_compression_is_named_in_every_averaging_label():
     (["--budget-s", "-3"], ["--budget-s -3.0", "positive"]),
     (["--outer-delay", "16", "--outer-period", "16"], ["--outer-delay 16", "0..15"]),
     (["--outer-delay", "-1"], ["--outer-delay -1"]),
+    (["--delay", "16"], ["--delay 16", "1..15"]),
+    (["--delay", "0"], ["--delay 0", "shorter than their period"]),
     (["--methods", "diloco"], ["without the baseline", "--budget-s"]),
     (["--period", "0"], ["--period 0", "positive integer"]),
     (["--outer-momentum", "1.0"], ["--outer-momentum 1.0", "[0, 1)"]),
@@ -112,6 +115,19 @@ def test_bad_race_arguments_name_the_value_and_the_rule(argv, words):
         _args(*argv)
     for word in words:
         assert word in str(raised.value)
+
+
+def test_settings_are_resolved_once_and_frozen():
+    import dataclasses
+    fast = _args("--fast")
+    assert (fast.period, fast.outer_period, fast.outer_delay, fast.grid_points) == (4, 4, 2, 8)
+    world = fast.for_world(0.006, 4)
+    assert world.lr == 0.006 and world.hierarchy == {2: 2, 4: 4} and world.local_group_size == 2
+    assert _args("--lr", "0.1").for_world(0.006, 1).lr == 0.1
+    assert _args().for_world(0.006, 1).local_group_size == 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        world.lr = 1.0
+    assert world.as_json()["hierarchy"] == {"2": 2, "4": 4} and "out" not in world.as_json()
 
 
 def test_a_method_alone_runs_with_a_budget():
@@ -142,7 +158,7 @@ def test_parse_hierarchy():
 
 def test_a_link_too_slow_for_the_timeout_is_refused_with_the_fix():
     import hvd_averaging as hva
-    from hvd_averaging.examples.train import check_link_fits_timeout
+    from hvd_averaging.examples.calibration import check_link_fits_timeout
 
     args = _args()
     limit = hva.timeout()
@@ -161,3 +177,42 @@ def test_stop_rule_uses_the_pace_since_the_last_point_and_never_the_first_interv
     # 0.3 s a step since the last point: 16 more steps end at 34.8 s (fits) or 35.4 s (does not)
     assert not stop_at_sync_point(30.0, 100, (25.2, 84), 16, 35.0)
     assert stop_at_sync_point(30.6, 100, (25.8, 84), 16, 35.0)
+
+
+def test_the_speedup_ceiling_and_each_method_s_fraction_of_it():
+    from hvd_averaging.examples.report import speedup_ceiling, summarize, table
+    baseline = [dict(wall_s=60.0, steps=48), dict(wall_s=66.0, steps=48)]
+    ceiling = speedup_ceiling(baseline, 0.25)
+    assert ceiling == pytest.approx((60 / 48 + 66 / 48) / 2 / 0.25)
+    assert speedup_ceiling([], 0.25) is None
+    seeds = [dict(final_loss=2.0, steps=10, wall_s=5.0, time_to_target_s=2.0,
+                  speedup_vs_baseline=2.5, compute_utilization=0.9, cross_node_mb_per_rank=1.0,
+                  curve=[]),
+             dict(final_loss=2.1, steps=10, wall_s=5.0, time_to_target_s=2.5,
+                  speedup_vs_baseline=2.0, compute_utilization=0.9, cross_node_mb_per_rank=1.0,
+                  curve=[])]
+    summary = summarize("local", "local SGD", seeds, ceiling)
+    assert summary["fraction_of_ceiling"] == pytest.approx(2.25 / ceiling)
+    assert [s["fraction_of_ceiling"] for s in seeds] == [2.5 / ceiling, 2.0 / ceiling]
+    assert "| of the ceiling |" in table([summary], "loss")
+    assert summarize("local", "l", [dict(seeds[0])], None)["fraction_of_ceiling"] is None
+
+
+@pytest.mark.parametrize("tag, rank", [("[1,3]<stderr>:", 3), ("[2]<stderr>:", 2)])
+def test_the_demo_launcher_keeps_every_rank_s_tail_under_mpi_and_gloo(tag, rank, capsys):
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    from run_demo import TAIL_LINES, RankOutput
+    output = RankOutput()
+    zero = tag.replace(str(rank), "0").replace("stderr", "stdout")
+    output.feed(f"{zero}shown as it comes\n")
+    for i in range(TAIL_LINES + 5):
+        output.feed(f"{tag}line {i}\n")
+    output.feed("the launcher's own line\n")
+    shown = capsys.readouterr().out
+    assert "shown as it comes" in shown and "the launcher's own line" in shown
+    assert "line 0" not in shown  # another rank's lines wait for a failure
+    report = output.failure_report()
+    assert f"rank {rank}'s output" in report and "rank 0's output" in report
+    assert f"line {TAIL_LINES + 4}" in report and "line 4\n" not in report

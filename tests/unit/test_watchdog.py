@@ -96,7 +96,8 @@ def test_a_watchdog_that_cannot_start_warns_once_naming_why(monkeypatch):
 @pytest.mark.parametrize("variable,value", [("HVA_EXIT_AFTER_TIMEOUT_SECONDS", "soon"),
                                             ("HVA_EXIT_AFTER_TIMEOUT_SECONDS", "-3"),
                                             ("HVA_TIMEOUT_SECONDS", "inf"),
-                                            ("HVA_WATCHDOG_RECORD_DIR", "/no/such/folder")])
+                                            ("HVA_WATCHDOG_RECORD_DIR", "/no/such/folder"),
+                                            ("HVA_ROUTE", "fastest")])
 def test_malformed_settings_fail_at_init_naming_variable_and_value(variable, value):
     """hva.init() (a real one-rank Horovod in a child process) raises ValueError naming the
     variable, its value and the rule; at the commit before this test a malformed
@@ -107,5 +108,6 @@ def test_malformed_settings_fail_at_init_naming_variable_and_value(variable, val
                           capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode != 0
     assert f"ValueError: {variable}={value!r}" in proc.stderr
-    assert ("existing folder" if variable == "HVA_WATCHDOG_RECORD_DIR" else "number of seconds") \
-        in proc.stderr
+    rule = {"HVA_WATCHDOG_RECORD_DIR": "existing folder",
+            "HVA_ROUTE": "must be one of 'measure'"}.get(variable, "number of seconds")
+    assert rule in proc.stderr
