@@ -113,9 +113,11 @@ class Round:
 
     def transport(self) -> Transport:
         nbytes = sum(slab.flat.numel() * slab.flat.element_size() for slab in self.packing.slabs)
-        device = self.packing.slabs[0].flat.device
-        return self.codec.transport(routes().route(self.process_set, nbytes, self.node_aware,
-                                                   device))
+        wire = self.codec.format
+        measured_as = (str(wire.spec()), lambda route: wire.build(route, None))  # no state
+        return self.codec.transport(routes().route(
+            self.process_set, nbytes, self.node_aware, measured_as,
+            self.packing.slabs[0].flat.device))
 
     def op_names(self) -> list[str]:
         """One stable name per dtype buffer (Horovod's response cache hits round after round)."""

@@ -16,7 +16,7 @@ formats (:mod:`hvd_averaging.wire`) wrap or replace the stage that crosses the l
 from __future__ import annotations
 
 import logging
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import horovod.torch as hvd
 import torch
@@ -85,6 +85,10 @@ class Route(NamedTuple):
                          scatter_by_alltoall=self.scatter_by_alltoall)
 
 
+# (a wire format's name, what builds its transport along a route): what a measurement times
+MeasuredAs = tuple[str, Callable[["Route"], Transport]]
+
+
 class RouteChoice(NamedTuple):
     """Node-aware or flat for a set and a size class, and why (``seconds``: what was measured)."""
 
@@ -110,7 +114,8 @@ class Routes:
     def __init__(self) -> None:
         self._staged: dict[int, Optional[NodeAwareSets]] = {}
         self._crosses: dict[int, bool] = {}
-        self._chosen: dict[tuple, RouteChoice] = {}  # (set id, members, size class) -> choice
+        # (set id, members, size class, wire format) -> choice
+        self._chosen: dict[tuple, RouteChoice] = {}
 
     def _placement(self) -> Optional[list]:
         known = known_rank_to_node()
@@ -154,48 +159,56 @@ class Routes:
 
     def takes_node_aware(self, process_set: hvd.ProcessSet, nbytes: int,
                          node_aware: Optional[bool] = None,
+                         measured_as: Optional[MeasuredAs] = None,
                          device: Optional[torch.device] = None) -> bool:
         """Whether a round of ``nbytes`` over ``process_set`` goes node-aware: the set must have
         node-aware sets and the round at least ``NODE_AWARE_MIN_BYTES``; ``node_aware`` forces
         one way; else ``HVA_ROUTE`` decides, by default by measuring both at the set's first
-        round of this size class (collective then: see :meth:`choice`)."""
+        round of this size class and wire format (collective then: see :meth:`choice`)."""
         if self.node_aware_sets(process_set) is None:
             return False
         if node_aware is not None:
             return node_aware
-        return nbytes >= NODE_AWARE_MIN_BYTES and self.choice(process_set, nbytes, device).node_aware
+        return nbytes >= NODE_AWARE_MIN_BYTES and \
+            self.choice(process_set, nbytes, measured_as, device).node_aware
 
     def choice(self, process_set: hvd.ProcessSet, nbytes: int,
+               measured_as: Optional[MeasuredAs] = None,
                device: Optional[torch.device] = None) -> "RouteChoice":
         """How rounds of about ``nbytes`` (the same power of two) over a set that can go
-        node-aware travel, and why. Under ``HVA_ROUTE=measure`` the first call for a size class
-        times both ways (:func:`~hvd_averaging.route_probe.probe_seconds`; collective over the
-        set, which every member reaches at the same round) and keeps the faster for this world."""
-        key = (process_set.process_set_id, tuple(members(process_set)), nbytes.bit_length())
+        node-aware travel, and why. ``measured_as``: (the wire format's name, what builds its
+        transport along a route; the name is ``str(format.spec())``); None: the buffers' own
+        dtype ("none"). Under ``HVA_ROUTE=measure``
+        the first call for a size class and format times both ways
+        (:func:`~hvd_averaging.route_probe.probe_seconds`; collective over the set, which every
+        member reaches at the same round) and keeps the faster for this world."""
+        wire, build = measured_as or ("none", Route.float_transport)
+        key = (process_set.process_set_id, tuple(members(process_set)), nbytes.bit_length(), wire)
         found = self._chosen.get(key)
         if found is None:
-            found = self._chosen[key] = self._choose(process_set, nbytes, device)
-            record_route(f"{members(process_set)}, {nbytes / 2 ** 20:.1f} MiB",
-                         f"{'node-aware' if found.node_aware else 'flat'} ({found.why})")
-            logging.getLogger("hvd_averaging").info(
-                "rounds of %.1f MiB over process set %s: %s (%s)", nbytes / 2 ** 20,
-                members(process_set), "node-aware" if found.node_aware else "flat", found.why)
+            found = self._chosen[key] = self._choose(process_set, nbytes, build, device)
+            way = "node-aware" if found.node_aware else "flat"
+            where = f"{members(process_set)}, {nbytes / 2 ** 20:.1f} MiB, {wire}"
+            record_route(where, f"{way} ({found.why})")
+            logging.getLogger("hvd_averaging").info("rounds over %s: %s (%s)", where, way,
+                                                    found.why)
         return found
 
     def _choose(self, process_set: hvd.ProcessSet, nbytes: int,
-                device: Optional[torch.device]) -> "RouteChoice":
+                build: Callable[[Route], Transport], device: Optional[torch.device]) -> "RouteChoice":
         policy = route_policy()
         if policy != "measure":
             return RouteChoice(policy == "node-aware", f"HVA_ROUTE={policy}")
-        candidates = {"flat": self._route(process_set, False).float_transport(),
-                      "node-aware": self._route(process_set, True).float_transport()}
+        candidates = {"flat": build(self._route(process_set, False)),
+                      "node-aware": build(self._route(process_set, True))}
         seconds = probe_seconds(candidates, process_set, nbytes, device or torch.device("cpu"))
         why = f"measured: node-aware {seconds['node-aware']:.4f} s, flat {seconds['flat']:.4f} s"
         return RouteChoice(seconds["node-aware"] < seconds["flat"], why, seconds)
 
-    def decided(self, process_set: hvd.ProcessSet, nbytes: int) -> Optional["RouteChoice"]:
-        """The choice made for rounds of about ``nbytes`` over the set, if any (local)."""
-        key = (process_set.process_set_id, tuple(members(process_set)), nbytes.bit_length())
+    def decided(self, process_set: hvd.ProcessSet, nbytes: int,
+                wire: str = "none") -> Optional["RouteChoice"]:
+        """The choice made for rounds of about ``nbytes`` in ``wire`` over the set, if any."""
+        key = (process_set.process_set_id, tuple(members(process_set)), nbytes.bit_length(), wire)
         return self._chosen.get(key)
 
     def crosses_nodes(self, process_set: hvd.ProcessSet) -> bool:
@@ -209,18 +222,20 @@ class Routes:
         return self._crosses[set_id]
 
     def route(self, process_set: hvd.ProcessSet, nbytes: int, node_aware: Optional[bool] = None,
+              measured_as: Optional[MeasuredAs] = None,
               device: Optional[torch.device] = None) -> Route:
         """The sets a round of ``nbytes`` (all its dtype buffers) crosses over ``process_set``.
 
         The global set is prepared here on first use (every rank is a member, so every rank
         calls this); other sets only by :meth:`prepare` (an averager does it at construction).
         ``node_aware``: None chooses (:meth:`takes_node_aware`), False forces flat, True forces
-        node-aware where the set can. ``device``: the buffers' (a measurement's scratch buffer).
+        node-aware where the set can. ``measured_as`` and ``device``: the round's wire format
+        and the buffers' device, for a measurement (:meth:`choice`).
         """
         if process_set.process_set_id == hvd.global_process_set.process_set_id:
             self.prepare(process_set)
         return self._route(process_set, self.takes_node_aware(process_set, nbytes, node_aware,
-                                                              device))
+                                                              measured_as, device))
 
     def _route(self, process_set: hvd.ProcessSet, node_aware: bool) -> Route:
         ranks = len(members(process_set))
@@ -248,16 +263,18 @@ def prepare_process_set(process_set: hvd.ProcessSet) -> None:
     routes().prepare(process_set)
 
 
-def averaging_route(process_set: Optional[hvd.ProcessSet] = None, nbytes: int = 1 << 30) -> str:
-    """How a buffer of ``nbytes`` travels over ``process_set`` (local; call after the set was
-    prepared or averaged over once): ``"flat"`` (it cannot go node-aware, or chose not to),
-    ``"node-aware"``, or ``"to be measured"`` (it can go node-aware and no round of this size
-    class has been timed yet under ``HVA_ROUTE=measure``)."""
+def averaging_route(process_set: Optional[hvd.ProcessSet] = None, nbytes: int = 1 << 30,
+                    wire: str = "none") -> str:
+    """How a buffer of ``nbytes`` in the wire format ``wire`` (``str(format.spec())``) travels
+    over ``process_set`` (local; call after the set was prepared or averaged over once):
+    ``"flat"`` (it cannot go node-aware, or chose not to), ``"node-aware"``, or ``"to be
+    measured"`` (it can go node-aware and no such round has been timed yet under
+    ``HVA_ROUTE=measure``)."""
     process_set = process_set if process_set is not None else hvd.global_process_set
     table = routes()
     if table.node_aware_sets(process_set) is None or nbytes < NODE_AWARE_MIN_BYTES:
         return "flat"
-    found = table.decided(process_set, nbytes)
+    found = table.decided(process_set, nbytes, wire)
     if found is None and route_policy() == "measure":
         return "to be measured"
     node_aware = found.node_aware if found is not None else route_policy() == "node-aware"
