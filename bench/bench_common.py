@@ -9,7 +9,6 @@ import time
 import horovod.torch as hvd
 import torch
 
-from hvd_averaging.traffic import interface_tx_bytes
 from hvd_averaging.transports import Transport
 
 __all__ = ["make_params", "equal_shapes", "slowest_rank", "node_link_bytes", "stage_times"]
@@ -40,6 +39,8 @@ def node_link_bytes(fn, ranks_on_node: int, index: int, interface: str = "eth0")
     """Bytes one call of ``fn`` sent on this node's link (the interface's transmit counter,
     shared by the node's ranks), per rank: the largest node's, TCP/IP headers and Horovod's
     own coordination included."""
+    # imported here: bench/compare_revisions.py runs the single-host bench on older revisions
+    from hvd_averaging.traffic import interface_tx_bytes
     hvd.barrier()
     before = interface_tx_bytes(interface)
     fn()
