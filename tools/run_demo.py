@@ -31,6 +31,7 @@ from rank_output import launch_env
 ROOT = Path(__file__).resolve().parent.parent
 # horovodrun tags each rank's line: "[1,R]<stdout>:" over MPI, "[R]<stdout>:" over Gloo
 RANK_TAG = re.compile(r"^\[(?:\d+,)?(\d+)\]<(stdout|stderr)>:")
+RANK_TAG_INSIDE = re.compile(r"\[(?:\d+,)?\d+\]<(?:stdout|stderr)>:")
 TAIL_LINES = 15
 BIN = Path(sys.executable).parent
 
@@ -47,7 +48,8 @@ class RankOutput:
         if tag is None:
             print(line, end="", flush=True)
             return
-        rank, text = int(tag.group(1)), line[tag.end():]
+        # a rank's line can carry more tags inside it (the launcher tags each piece it reads)
+        rank, text = int(tag.group(1)), RANK_TAG_INSIDE.sub("", line[tag.end():])
         self.tails.setdefault(rank, collections.deque(maxlen=TAIL_LINES)).append(
             f"{tag.group(2)}: {text}")
         if rank == 0 and tag.group(2) == "stdout":
