@@ -183,7 +183,7 @@ class Routes:
         (:func:`~hvd_averaging.route_probe.probe_seconds`; collective over the set, which every
         member reaches at the same round) and keeps the faster for this world."""
         wire, build = measured_as or ("none", Route.float_transport)
-        key = (process_set.process_set_id, tuple(members(process_set)), nbytes.bit_length(), wire)
+        key = _choice_key(process_set, nbytes, wire)
         found = self._chosen.get(key)
         if found is None:
             found = self._chosen[key] = self._choose(process_set, nbytes, build, device)
@@ -208,8 +208,7 @@ class Routes:
     def decided(self, process_set: hvd.ProcessSet, nbytes: int,
                 wire: str = "none") -> Optional["RouteChoice"]:
         """The choice made for rounds of about ``nbytes`` in ``wire`` over the set, if any."""
-        key = (process_set.process_set_id, tuple(members(process_set)), nbytes.bit_length(), wire)
-        return self._chosen.get(key)
+        return self._chosen.get(_choice_key(process_set, nbytes, wire))
 
     def crosses_nodes(self, process_set: hvd.ProcessSet) -> bool:
         """Whether the set's members sit on several nodes (False while the placement is unknown)."""
@@ -247,6 +246,11 @@ class Routes:
         return Route(process_set, ranks, crosses, node_aware=True, node_set=staged.node_set,
                      rail_set=staged.rail_set, ranks_per_node=staged.ranks_per_node,
                      nodes=staged.nodes, rail_allreduce=gloo, scatter_by_alltoall=gloo)
+
+
+def _choice_key(process_set: hvd.ProcessSet, nbytes: int, wire: str) -> tuple:
+    """Set id and members (ids are reused after an elastic reset), size class, wire format."""
+    return (process_set.process_set_id, tuple(members(process_set)), nbytes.bit_length(), wire)
 
 
 def routes() -> Routes:
