@@ -4,6 +4,7 @@ the job with a named error instead of a hang in the race's bookkeeping."""
 
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 import horovod.torch as hvd
@@ -11,7 +12,7 @@ import torch
 
 from hvd_averaging.deadlines import blocking_call, bounded_collective
 
-__all__ = ["barrier", "allreduce", "agreed_max", "allgather_rows"]
+__all__ = ["barrier", "allreduce", "PendingMax", "allgather_rows"]
 
 
 def barrier(what: str) -> None:
@@ -27,10 +28,19 @@ def allreduce(tensor: torch.Tensor, op, name: str, what: str) -> torch.Tensor:
         return collective.wait([hvd.allreduce_async(tensor, op=op, name=name)])[0]
 
 
-def agreed_max(value: float, name: str) -> float:
-    """The largest ``value`` over all ranks."""
-    return float(allreduce(torch.tensor([value], dtype=torch.float64), hvd.Max, name,
-                           "the race's clock agreement").item())
+class PendingMax:
+    """The largest ``value`` over all ranks, launched now and read later (:meth:`result`), so
+    that nobody waits for it while it travels. Every rank launches it at the same point."""
+
+    def __init__(self, value: float, name: str):
+        self._launched = time.monotonic()
+        self._handle = hvd.allreduce_async(torch.tensor([value], dtype=torch.float64),
+                                           op=hvd.Max, name=name)
+
+    def result(self) -> float:
+        """The agreed value, bounded by ``hva.timeout()`` counted from the launch."""
+        with bounded_collective("the race's clock agreement", started_at=self._launched) as collective:
+            return float(collective.wait([self._handle])[0].item())
 
 
 def allgather_rows(values: Sequence[float], name: str, what: str) -> list[list[float]]:

@@ -4,8 +4,10 @@ would have been handed, snapshotted on a wall-clock grid and evaluated afterward
 - The clock counts training only: snapshots and evaluation pause it (:class:`TrainingClock`).
 - Ranks stop together: the decision is taken at the method's synchronization points (every step
   for gradient allreduce, after each top-level round for the averagers) from the slowest rank's
-  clock, so no rank is left waiting in a collective the others skipped, and no collective is
-  added while a delayed (overlapped) round is in flight.
+  clock, so no rank is left waiting in a collective the others skipped. That clock is agreed
+  without waiting: each point launches its agreement and the next point reads it (long done by
+  then) and estimates the present from it, so the race's bookkeeping costs the training next to
+  nothing, and a run stops at most one interval early or late.
 - "The model a user would be handed" is the average over all ranks of their parameters, or, for
   DiLoCo, the global copy. Each rank keeps its snapshots; afterwards rank 0 averages them over
   the ranks (through files when every rank sees the output folder, as on one host or a shared
@@ -29,7 +31,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from hvd_averaging.gather_text import broadcast_text
 from hvd_averaging.traffic import interface_tx_bytes, traffic
 
-from hvd_averaging.examples.collectives import agreed_max, allgather_rows, allreduce, barrier
+from hvd_averaging.examples.collectives import PendingMax, allgather_rows, allreduce, barrier
 
 __all__ = ["TrainingClock", "Snapshot", "Trainer", "RaceLimits", "run_method", "grid_times",
            "stop_at_sync_point",
@@ -139,18 +141,23 @@ def pick_on_grid(snapshots: Sequence[Snapshot], grid: Sequence[float],
     return picked
 
 
-def stop_at_sync_point(clock_s: float, steps: int, last_sync: Optional[tuple[float, int]],
-                       steps_ahead: int, budget_s: float) -> bool:
-    """Whether to stop at this synchronization point (``clock_s`` after ``steps`` steps): the
-    budget is spent, or the next point, ``steps_ahead`` steps away, would come after it at the
-    pace since the previous point ``last_sync`` = (clock, steps). At the first point there is
-    no pace yet (its interval holds start-up costs), so only a spent budget stops it."""
-    if clock_s >= budget_s:
-        return True
-    if last_sync is None or steps <= last_sync[1]:
+def stop_at_sync_point(steps: int, agreed: Sequence[tuple[float, int]], steps_ahead: int,
+                       budget_s: float) -> bool:
+    """Whether to stop at the synchronization point after ``steps`` steps, from the slowest
+    rank's clock agreed at earlier points, ``agreed`` = [(clock, steps), ...] oldest first (this
+    point's own is still travelling). The present is estimated at the pace between the last two
+    of them; stop if it is past the budget or the next point, ``steps_ahead`` steps away, would
+    be. With one agreed point there is no pace yet (its interval holds start-up costs): stop only
+    if that point's pace puts the present past the budget."""
+    if not agreed:
         return False
-    pace = (clock_s - last_sync[0]) / (steps - last_sync[1])
-    return clock_s + pace * steps_ahead > budget_s
+    clock_s, at = agreed[-1]
+    if len(agreed) == 1:
+        return at > 0 and clock_s + clock_s / at * (steps - at) >= budget_s
+    previous_s, previous_at = agreed[-2]
+    pace = (clock_s - previous_s) / max(1, at - previous_at)
+    now_s = clock_s + pace * (steps - at)
+    return now_s >= budget_s or now_s + pace * steps_ahead > budget_s
 
 
 def run_method(trainer: Trainer, batches: Iterator, limits: RaceLimits, *,
@@ -180,7 +187,9 @@ def run_method(trainer: Trainer, batches: Iterator, limits: RaceLimits, *,
     clock = TrainingClock()
     with clock.paused():
         run.snapshots.append(snapshot(0.0, 0))
-    next_grid, next_progress, last_sync = 1, limits.progress_every_s, None
+    next_grid, next_progress = 1, limits.progress_every_s
+    agreed: list[tuple[float, int]] = []  # the slowest clock at earlier sync points
+    pending, pending_steps = None, 0  # this point's agreement, read at the next
     while True:
         x, y = next(batches)
         loss, compute_s, communication_s = trainer.step(x, y)
@@ -209,11 +218,13 @@ def run_method(trainer: Trainer, batches: Iterator, limits: RaceLimits, *,
                 break
         elif trainer.sync_point(run.steps):
             began = time.perf_counter()
-            agreed = agreed_max(now, f"{name}.clock.{run.steps}")
-            run.agreement_s += time.perf_counter() - began
+            if pending is not None:
+                agreed.append((pending.result(), pending_steps))
             ahead = next(k for k in range(1, 1_000_000) if trainer.sync_point(run.steps + k))
-            stop = stop_at_sync_point(agreed, run.steps, last_sync, ahead, limits.budget_s)
-            last_sync = (agreed, run.steps)
+            stop = stop_at_sync_point(run.steps, agreed, ahead, limits.budget_s)
+            pending, pending_steps = (None if stop else
+                                      PendingMax(now, f"{name}.clock.{run.steps}")), run.steps
+            run.agreement_s += time.perf_counter() - began
             if stop:
                 break
     run.wall_s = clock.now()

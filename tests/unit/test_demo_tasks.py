@@ -168,15 +168,23 @@ def test_a_link_too_slow_for_the_timeout_is_refused_with_the_fix():
     assert "link rate 0.5 Mbit/s" in str(raised.value) and "HVA_TIMEOUT_SECONDS" in str(raised.value)
 
 
-def test_stop_rule_uses_the_pace_since_the_last_point_and_never_the_first_interval():
+def test_stop_rule_estimates_the_present_from_the_clocks_agreed_at_earlier_points():
     from hvd_averaging.examples.race import stop_at_sync_point
 
-    # the first point: 1.5 s of start-up for 1 step would predict 48 s for 32 more: no stop
-    assert not stop_at_sync_point(1.5, 1, None, 32, 35.0)
-    assert stop_at_sync_point(36.0, 1, None, 32, 35.0)  # the budget is spent
-    # 0.3 s a step since the last point: 16 more steps end at 34.8 s (fits) or 35.4 s (does not)
-    assert not stop_at_sync_point(30.0, 100, (25.2, 84), 16, 35.0)
-    assert stop_at_sync_point(30.6, 100, (25.8, 84), 16, 35.0)
+    assert not stop_at_sync_point(16, [], 16, 35.0)  # nothing agreed yet
+    # one agreed point: 1.5 s for 1 step (start-up) puts step 17 at 25.5 s: no stop...
+    assert not stop_at_sync_point(17, [(1.5, 1)], 16, 35.0)
+    # ...but only a spent budget stops there, never the next point's estimate
+    assert not stop_at_sync_point(22, [(1.5, 1)], 16, 35.0)
+    assert stop_at_sync_point(24, [(1.5, 1)], 16, 35.0)  # 36 s: spent
+    # 0.3 s a step between the last two points: step 100 is at 29.7 s; 16 more end at 34.5 s
+    assert not stop_at_sync_point(100, [(20.1, 68), (24.9, 84)], 16, 35.0)
+    # 0.3 s a step, from 0.6 s later: the next point would end at 35.1 s
+    assert stop_at_sync_point(100, [(20.7, 68), (25.5, 84)], 16, 35.0)
+    # only the last two points set the pace (an earlier slow start does not)
+    assert not stop_at_sync_point(100, [(9.0, 1), (20.1, 68), (24.9, 84)], 16, 35.0)
+    # the present estimated past the budget stops at once
+    assert stop_at_sync_point(100, [(30.0, 68), (34.8, 84)], 16, 35.0)
 
 
 def test_the_speedup_ceiling_and_each_method_s_fraction_of_it():
