@@ -319,7 +319,7 @@ def check_race_results(summary: dict, written: list[str]) -> list[str]:
     top = ("target_loss", "budget_s", "regime", "speedup_ceiling", "methods")
     fields = ("method", "label", "final_loss", "steps", "wall_s", "time_to_target_s",
               "speedup_vs_baseline", "fraction_of_ceiling", "compute_utilization",
-              "cross_node_mb_per_rank", "seeds")
+              "cross_node_mb_per_rank", "speedup_at_60s", "seeds")
     problems += [f"results.json lacks {k!r}" for k in top if k not in summary]
     methods = summary.get("methods", [])
     problems += [f"{m.get('method')} lacks {k!r}" for m in methods for k in fields if k not in m]
@@ -335,6 +335,10 @@ def check_race_results(summary: dict, written: list[str]) -> list[str]:
                                 f"({curve[0][-1]:.4f} -> {curve[-1][-1]:.4f})")
             if seed["steps"] < 2:
                 problems.append(f"{m['method']}: {seed['steps']} steps")
+            # a race shorter than two minutes has no "speed-up after the first minute"
+            if seed["budget_s"] < 120 and seed["speedup_at_60s"] is not None:
+                problems.append(f"{m['method']}: speedup_at_60s {seed['speedup_at_60s']} in a "
+                                f"{seed['budget_s']:.0f} s race")
     baseline = methods[0]["seeds"][0]
     # the ceiling: the baseline's step in the race over the calibration's step of pure compute
     ceiling = baseline["wall_s"] / baseline["steps"] / summary["regime"]["compute_step_s"]

@@ -159,11 +159,9 @@ class BaselineTrainer(Trainer):
 class AveragingTrainer(Trainer):
     """The library's optimizer wrappers; the inner optimizer's step is timed by its hooks."""
 
-    def __init__(self, model, task, opt, inner: torch.optim.Optimizer,
-                 handed: Optional[Sequence[torch.Tensor]] = None):
+    def __init__(self, model, task, opt, inner: torch.optim.Optimizer):
         self.model, self.task, self.opt = model, task, opt
         self.inner = _Timed(inner)
-        self.handed = list(handed) if handed is not None else list(model.parameters())
         averager = opt.averager
         self._top = averager.top_level
         self._delay = averager.level_delays.get(self._top, 0)
@@ -183,7 +181,9 @@ class AveragingTrainer(Trainer):
         return fired >= 0 and self._level_at(fired) == self._top
 
     def handed_params(self):
-        return self.handed
+        # every method alike, DiLoCo too: the ranks' parameters, averaged over the ranks later
+        # (fresher than DiLoCo's global copy, which lags by up to H + delay steps: docs/demo.md)
+        return list(self.model.parameters())
 
     def link_bytes(self):
         return float(hva.traffic().cross_node_bytes)
@@ -226,7 +226,6 @@ def build_trainer(method: str, model: torch.nn.Module, task, args, *,
                                                   compression={top: wire["compression"]},
                                                   error_feedback=wire["error_feedback"]))
         opt = hva.DiLoCo(inner, averager, outer_optimizer=_outer(args))
-        return AveragingTrainer(model, task, opt, inner, handed=opt.global_parameters)
     else:
         raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
     return AveragingTrainer(model, task, opt, inner)

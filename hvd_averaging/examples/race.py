@@ -8,8 +8,10 @@ would have been handed, snapshotted on a wall-clock grid and evaluated afterward
   without waiting: each point launches its agreement and the next point reads it (long done by
   then) and estimates the present from it, so the race's bookkeeping costs the training next to
   nothing, and a run stops at most one interval early or late.
-- "The model a user would be handed" is the average over all ranks of their parameters, or, for
-  DiLoCo, the global copy. Each rank keeps its snapshots; afterwards rank 0 averages them over
+- "The model a user would be handed" if training stopped there is the average over all ranks
+  of their parameters (one final average, its cost not counted), for every method alike:
+  DiLoCo's too, whose global copy lags the ranks by up to H + delay steps. Each rank keeps
+  its snapshots; afterwards rank 0 averages them over
   the ranks (through files when every rank sees the output folder, as on one host or a shared
   file system; otherwise by allreduce, outside the clock) and evaluates them.
 """
@@ -35,7 +37,7 @@ from hvd_averaging.examples.collectives import PendingMax, allgather_rows, allre
 
 __all__ = ["TrainingClock", "Snapshot", "Trainer", "RaceLimits", "run_method", "grid_times",
            "stop_at_sync_point",
-           "pick_on_grid", "evaluate_snapshots", "time_to_reach",
+           "pick_on_grid", "evaluate_snapshots", "time_to_reach", "speedup_at",
            "shared_folder"]
 
 
@@ -288,3 +290,16 @@ def time_to_reach(curve: Sequence[tuple], target: float, lower_is_better: bool =
         if (metric <= target) if lower_is_better else (metric >= target):
             return point[0]
     return None
+
+
+def speedup_at(baseline_curve: Sequence[tuple], curve: Sequence[tuple], seconds: float,
+               lower_is_better: bool = True) -> Optional[float]:
+    """The speed-up a user would have seen had both runs stopped at ``seconds``: the baseline's
+    time at its first curve point at or after ``seconds``, over the time this ``curve`` took to
+    reach the baseline's metric there. None if the baseline never got there or the curve never
+    reached it."""
+    at = next((point for point in baseline_curve if point[0] >= seconds), None)
+    if at is None:
+        return None
+    reached = time_to_reach(curve, at[-1], lower_is_better)
+    return at[0] / reached if reached else None

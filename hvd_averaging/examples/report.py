@@ -39,7 +39,7 @@ def summarize(method: str, label: str, seeds: list[dict],
         seed["fraction_of_ceiling"] = None if speedup is None or not ceiling else speedup / ceiling
     keys = ("final_loss", "steps", "wall_s", "time_to_target_s", "speedup_vs_baseline",
             "fraction_of_ceiling", "compute_utilization", "communication_share",
-            "cross_node_mb_per_rank")
+            "cross_node_mb_per_rank", "speedup_at_60s")
     out = {"method": method, "label": label}
     for key in keys:
         out[key] = _mean([s.get(key) for s in seeds])
@@ -79,7 +79,24 @@ def table(methods: list[dict], metric: str) -> str:
             f"{m['steps']:.0f} | {m['wall_s']:.1f} | {ttt} | {speedup} | {of_ceiling} | "
             f"{m['compute_utilization']:.2f} | {'-' if share is None else f'{share:.2f}'} | "
             f"{'-' if mb is None else f'{mb:.1f}'} |")
-    return "\n".join(rows) + _stage_table(methods)
+    return "\n".join(rows) + _early_table(methods) + _stage_table(methods)
+
+
+def _early_table(methods: list[dict]) -> str:
+    """A long race: the speed-up after one minute against the one at the budget, and their
+    ratio (does the first minute's speed-up hold?)."""
+    measured = [m for m in methods if m["method"] != "baseline" and m.get("speedup_at_60s")]
+    if not measured:
+        return ""
+    rows = ["", "", "Does the speed-up seen after one minute hold to the budget?", "",
+            "| method | speed-up at 60 s | speed-up at the budget | budget / 60 s |",
+            "|---|---|---|---|"]
+    for m in measured:
+        early, late = m["speedup_at_60s"], m["speedup_vs_baseline"]
+        held = "-" if late is None else f"{late / early:.2f}"
+        rows.append(f"| {m['label']} | {_fmt(early, '.2f', m['speedup_at_60s_spread'], 'x')} | "
+                    f"{_fmt(late, '.2f', m['speedup_vs_baseline_spread'], 'x')} | {held} |")
+    return "\n".join(rows)
 
 
 def _stage_table(methods: list[dict]) -> str:
@@ -145,7 +162,7 @@ def plot(methods: list[dict], target: Optional[float], budget_s: float, metric: 
         if index == 2:
             ax.set_xscale("log")
         ax.set_xlabel(xlabel)
-        ax.set_ylabel(f"{metric} (model averaged over ranks / DiLoCo's global copy)")
+        ax.set_ylabel(f"{metric} (the model handed over: the ranks' average)")
         ax.set_title(title, fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)

@@ -3,7 +3,7 @@
 The baseline is what a Horovod user runs today, ``hvd.DistributedOptimizer``; it trains a fixed
 number of steps and its wall time (evaluation excluded) is the budget. Every other method trains
 as many steps as fit in that budget. The model each method would hand a user (the average over
-ranks; DiLoCo's global copy) is evaluated on one shared wall-clock grid; the target is the
+ranks, for every method) is evaluated on one shared wall-clock grid; the target is the
 baseline's final held-out loss. Rank 0 prints progress, a table and writes ``results.json``,
 ``results.md`` and two plots (held-out loss against wall time and against MB across the link).
 
@@ -29,18 +29,21 @@ from hvd_averaging.examples.collectives import allgather_rows, barrier
 from hvd_averaging.examples.methods import (DEFAULT_METHODS, build_trainer, check_race_args,
                                             label, parse_hierarchy, parse_methods)
 from hvd_averaging.examples.race import (RaceLimits, evaluate_snapshots, grid_times,
-                                         pick_on_grid, run_method, shared_folder, time_to_reach)
+                                         pick_on_grid, run_method, shared_folder, speedup_at,
+                                         time_to_reach)
 from hvd_averaging.examples.report import plot, speedup_ceiling, summarize, table
 from hvd_averaging.examples.settings import RaceSettings
 from hvd_averaging.examples.tasks import TASKS
 from hvd_averaging.wire import WIRE_FORMATS
 
-__all__ = ["main", "parse_args", "race_one_seed"]
+__all__ = ["main", "parse_args", "race_one_seed", "EARLY_S"]
+
+EARLY_S = 60.0  # a long race also reports the speed-up after the first minute ("speedup_at_60s")
 
 def race_one_seed(seed: int, args, task, baseline_steps: int, snapshots_dir) -> tuple[float, list[dict]]:
     """Every method once with this seed; returns (budget in seconds, per-method results, rank 0
     only: the others get empty dicts)."""
-    budget, results, target = args.budget_s, [], None
+    budget, results, target, baseline_curve = args.budget_s, [], None, None
     eval_model = task.model(seed)
     for method in args.methods:
         model = task.model(seed)
@@ -71,11 +74,16 @@ def race_one_seed(seed: int, args, task, baseline_steps: int, snapshots_dir) -> 
             continue
         final = curve[-1][-1]
         target = final if method == "baseline" and target is None else target
+        baseline_curve = curve if method == "baseline" else baseline_curve
+        # a long race: would the speed-up seen after one minute have held to the end?
+        early = (speedup_at(baseline_curve, curve, EARLY_S, task.lower_is_better)
+                 if baseline_curve is not None and budget >= 2 * EARLY_S else None)
         reached = time_to_reach(curve, target, task.lower_is_better) if target is not None else None
         results.append({
             "seed": seed, "final_loss": final, "steps": run.steps, "wall_s": wall,
             "time_to_target_s": reached,
             "speedup_vs_baseline": budget / reached if reached else None,
+            "speedup_at_60s": early,
             "compute_utilization": statistics.fmean(w[1] for w in walls),
             # the rest of the wall time: waiting for or running communication, then the race's
             # own bookkeeping (the stop agreement, reading the loss)

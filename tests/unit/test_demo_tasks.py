@@ -225,3 +225,23 @@ def test_the_demo_launcher_keeps_every_rank_s_tail_under_mpi_and_gloo(tag, rank,
     report = output.failure_report()
     assert f"rank {rank}'s output" in report and "rank 0's output" in report
     assert f"line {TAIL_LINES + 4}" in report and "line 4\n" not in report
+
+
+def test_the_speed_up_a_user_would_have_seen_after_the_first_minute():
+    from hvd_averaging.examples.race import speedup_at
+    from hvd_averaging.examples.report import summarize, table
+    baseline = [(0.0, 0, None, 4.0), (30.0, 10, None, 3.0), (60.0, 20, None, 2.5),
+                (90.0, 30, None, 2.2), (120.0, 40, None, 2.0)]
+    method = [(0.0, 0, None, 4.0), (15.0, 20, None, 2.6), (20.0, 30, None, 2.5),
+              (40.0, 60, None, 2.1), (60.0, 90, None, 1.9)]
+    # at 60 s the baseline is at 2.5, reached at 20 s: 3x; at 120 s at 2.0, reached at 60 s: 2x
+    assert speedup_at(baseline, method, 60.0) == 3.0
+    assert speedup_at(baseline, method, 120.0) == 2.0
+    assert speedup_at(baseline, method, 61.0) == 90.0 / 40.0  # the next baseline point: 2.2
+    assert speedup_at(baseline, method, 121.0) is None  # the baseline never got there
+    assert speedup_at(baseline, method[:3], 120.0) is None  # never reached 2.0
+    seeds = [dict(final_loss=1.9, steps=90, wall_s=120.0, time_to_target_s=60.0,
+                  speedup_vs_baseline=2.0, speedup_at_60s=3.0, compute_utilization=0.9,
+                  communication_share=0.1, cross_node_mb_per_rank=1.0)]
+    text = table([summarize("local", "local SGD", seeds)], "loss")
+    assert "| local SGD | 3.00x | 2.00x | 0.67 |" in text
