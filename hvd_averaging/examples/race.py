@@ -34,11 +34,10 @@ from hvd_averaging.gather_text import broadcast_text
 from hvd_averaging.traffic import interface_tx_bytes, traffic
 
 from hvd_averaging.examples.collectives import PendingMax, allgather_rows, allreduce, barrier
+from hvd_averaging.examples.race_rules import grid_times, pick_on_grid, stop_at_sync_point
 
-__all__ = ["TrainingClock", "Snapshot", "Trainer", "RaceLimits", "run_method", "grid_times",
-           "stop_at_sync_point",
-           "pick_on_grid", "evaluate_snapshots", "time_to_reach", "speedup_at",
-           "shared_folder"]
+__all__ = ["TrainingClock", "Snapshot", "Trainer", "RaceLimits", "run_method",
+           "evaluate_snapshots", "shared_folder"]
 
 
 class TrainingClock:
@@ -125,41 +124,6 @@ class MethodRun:
                 "delayed rounds: polls": counted.poll_s,
                 "delayed rounds: wait at apply": counted.apply_wait_s,
                 "the race's stop agreements": self.agreement_s}
-
-
-def grid_times(budget_s: float, points: int) -> list[float]:
-    """``points + 1`` evenly spaced times from 0 to the budget, both ends included."""
-    return [budget_s * i / points for i in range(points + 1)]
-
-
-def pick_on_grid(snapshots: Sequence[Snapshot], grid: Sequence[float],
-                 final: Snapshot) -> list[Snapshot]:
-    """For each grid time, the first snapshot taken at or after it (the step that crossed it);
-    ``final`` for grid times the run did not reach."""
-    picked = []
-    for time_s in grid:
-        later = [s for s in snapshots if s.seconds >= time_s]
-        picked.append(later[0] if later else final)
-    return picked
-
-
-def stop_at_sync_point(steps: int, agreed: Sequence[tuple[float, int]], steps_ahead: int,
-                       budget_s: float) -> bool:
-    """Whether to stop at the synchronization point after ``steps`` steps, from the slowest
-    rank's clock agreed at earlier points, ``agreed`` = [(clock, steps), ...] oldest first (this
-    point's own is still travelling). The present is estimated at the pace between the last two
-    of them; stop if it is past the budget or the next point, ``steps_ahead`` steps away, would
-    be. With one agreed point there is no pace yet (its interval holds start-up costs): stop only
-    if that point's pace puts the present past the budget."""
-    if not agreed:
-        return False
-    clock_s, at = agreed[-1]
-    if len(agreed) == 1:
-        return at > 0 and clock_s + clock_s / at * (steps - at) >= budget_s
-    previous_s, previous_at = agreed[-2]
-    pace = (clock_s - previous_s) / max(1, at - previous_at)
-    now_s = clock_s + pace * (steps - at)
-    return now_s >= budget_s or now_s + pace * steps_ahead > budget_s
 
 
 def run_method(trainer: Trainer, batches: Iterator, limits: RaceLimits, *,
@@ -281,25 +245,3 @@ def evaluate_snapshots(points: Sequence[Snapshot], model: torch.nn.Module,
         megabytes = sent / 1e6 if math.isfinite(sent) else None
         curve.append((seconds, int(step), megabytes, evaluate(model)))
     return curve
-
-
-def time_to_reach(curve: Sequence[tuple], target: float, lower_is_better: bool = True) -> Optional[float]:
-    """Seconds of the first curve point (seconds, ..., metric) at or beyond ``target``."""
-    for point in curve:
-        metric = point[-1]
-        if (metric <= target) if lower_is_better else (metric >= target):
-            return point[0]
-    return None
-
-
-def speedup_at(baseline_curve: Sequence[tuple], curve: Sequence[tuple], seconds: float,
-               lower_is_better: bool = True) -> Optional[float]:
-    """The speed-up a user would have seen had both runs stopped at ``seconds``: the baseline's
-    time at its first curve point at or after ``seconds``, over the time this ``curve`` took to
-    reach the baseline's metric there. None if the baseline never got there or the curve never
-    reached it."""
-    at = next((point for point in baseline_curve if point[0] >= seconds), None)
-    if at is None:
-        return None
-    reached = time_to_reach(curve, at[-1], lower_is_better)
-    return at[0] / reached if reached else None

@@ -51,8 +51,8 @@ class RaceSettings:
         race, for tests) folded in."""
         given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
         given["methods"] = tuple(given["methods"])
-        if args.full or args.long:
-            given["seeds"] = 3
+        if given["seeds"] is None:  # --seeds wins over --full and --long
+            given["seeds"] = 3 if args.full or args.long else 1
         if args.long:
             given.update(target_budget_s=300.0, grid_points=100)
         if args.fast:

@@ -28,9 +28,8 @@ from hvd_averaging.examples.calibration import calibrate, check_link_fits_timeou
 from hvd_averaging.examples.collectives import allgather_rows, barrier
 from hvd_averaging.examples.methods import (DEFAULT_METHODS, build_trainer, check_race_args,
                                             label, parse_hierarchy, parse_methods)
-from hvd_averaging.examples.race import (RaceLimits, evaluate_snapshots, grid_times,
-                                         pick_on_grid, run_method, shared_folder, speedup_at,
-                                         time_to_reach)
+from hvd_averaging.examples.race import RaceLimits, evaluate_snapshots, run_method, shared_folder
+from hvd_averaging.examples.race_rules import grid_times, pick_on_grid, speedup_at, time_to_reach
 from hvd_averaging.examples.report import plot, speedup_ceiling, summarize, table
 from hvd_averaging.examples.settings import RaceSettings
 from hvd_averaging.examples.tasks import TASKS
@@ -134,7 +133,8 @@ def parse_args(argv=None) -> RaceSettings:
                         "that crosses the link) sends: compression= of the library")
     parser.add_argument("--error-feedback", action="store_true",
                         help="int8's error feedback on that level")
-    parser.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1")
+    parser.add_argument("--seeds", type=int, default=None,
+                        help="seeds 0..N-1 (default 1; 3 with --full or --long)")
     parser.add_argument("--full", action="store_true", help="3 seeds")
     parser.add_argument("--long", action="store_true",
                         help="3 seeds, the baseline about 5 minutes (--target-budget-s 300)")

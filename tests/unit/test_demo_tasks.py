@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from hvd_averaging.examples.methods import METHODS, check_race_args, parse_hierarchy, parse_methods
-from hvd_averaging.examples.race import Snapshot, TrainingClock, grid_times, pick_on_grid, time_to_reach
+from hvd_averaging.examples.race import Snapshot, TrainingClock
+from hvd_averaging.examples.race_rules import grid_times, pick_on_grid, time_to_reach
 from hvd_averaging.examples.report import summarize, table
 from hvd_averaging.examples.tasks import CharLMTask, stdlib_text
 from hvd_averaging.examples.train import parse_args
@@ -83,6 +84,7 @@ def test_race_arguments_defaults_are_accepted():
     assert _args("--full").seeds == 3
     long = _args("--long")
     assert (long.seeds, long.target_budget_s) == (3, 300.0)
+    assert args.seeds == 1 and _args("--long", "--seeds", "1").seeds == 1  # --seeds wins
 
 
 def test_cross_node_compression_is_named_in_every_averaging_label():
@@ -169,7 +171,7 @@ def test_a_link_too_slow_for_the_timeout_is_refused_with_the_fix():
 
 
 def test_stop_rule_estimates_the_present_from_the_clocks_agreed_at_earlier_points():
-    from hvd_averaging.examples.race import stop_at_sync_point
+    from hvd_averaging.examples.race_rules import stop_at_sync_point
 
     assert not stop_at_sync_point(16, [], 16, 35.0)  # nothing agreed yet
     # one agreed point: 1.5 s for 1 step (start-up) puts step 17 at 25.5 s: no stop...
@@ -228,7 +230,7 @@ def test_the_demo_launcher_keeps_every_rank_s_tail_under_mpi_and_gloo(tag, rank,
 
 
 def test_the_speed_up_a_user_would_have_seen_after_the_first_minute():
-    from hvd_averaging.examples.race import speedup_at
+    from hvd_averaging.examples.race_rules import speedup_at
     from hvd_averaging.examples.report import summarize, table
     baseline = [(0.0, 0, None, 4.0), (30.0, 10, None, 3.0), (60.0, 20, None, 2.5),
                 (90.0, 30, None, 2.2), (120.0, 40, None, 2.0)]
