@@ -94,6 +94,7 @@ class ModelAverager(ABC):
             if self._members.follow_world():
                 self._levels.drop_in_flight()  # their collectives died with the old world
             self._levels.average(level, tensors(), self._members.set_at(level), self.step)
+        self._levels.keep_moving()
         self.step += 1
 
     def _level_groups(self, ranks: list[int], placement: list) -> dict[int, list[list[int]]]:

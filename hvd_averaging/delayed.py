@@ -19,6 +19,7 @@ from .agreement import check_same_on_all_ranks
 from .deadlines import bounded_collective, guarded_enqueue
 from .rounds import NonFiniteError, Round, begin_round
 from .traffic import count_seconds
+from .transports import InPieces
 
 __all__ = ["AverageTransform", "DelayedAverage", "start_delayed_average", "DelayedRounds",
            "ConstructionOrder"]
@@ -64,7 +65,7 @@ class DelayedAverage:
     """
 
     def __init__(self, round_: Round, buffers: dict, snapshots: Optional[list[torch.Tensor]],
-                 before_send: Optional[AverageTransform] = None):
+                 before_send: Optional[AverageTransform] = None, pieces: int = 1):
         began = time.perf_counter()
         self._round = round_
         self.what = round_.what
@@ -81,6 +82,8 @@ class DelayedAverage:
             with torch.no_grad():
                 before_send(round_.packing.tensors, round_.packing.views_into(wires))
         transport = round_.transport()
+        if pieces > 1 and not round_.codec.keeps_state:  # a state follows the whole buffer
+            transport = InPieces(transport, pieces)
         self.nbytes = round_.count(transport, wires)
         self.started_at = time.monotonic()
         with guarded_enqueue(self.what):
@@ -166,6 +169,7 @@ def start_delayed_average(
     snapshots: Optional[list[torch.Tensor]] = None,
     snapshot_layout: Optional[int] = None,
     before_send: Optional[AverageTransform] = None,
+    pieces: int = 1,
 ) -> Optional[DelayedAverage]:
     """Start averaging ``tensors`` over ``process_set`` and return without waiting (collective).
 
@@ -176,7 +180,10 @@ def start_delayed_average(
     the same snapshot is averaged again, so the result is the one the interrupted round would
     have given. ``before_send(tensors, wire_views)`` may change, in place, what travels (a copy
     of the snapshot; the snapshot itself is kept): DiLoCo subtracts its global copy, so that the
-    progress since it is averaged. Returns None where :func:`~hvd_averaging.rounds.average_tensors` would move
+    progress since it is averaged. ``pieces > 1`` cuts what travels into that many pieces (at
+    most; none under :data:`~hvd_averaging.transports.in_pieces.MIN_PIECE_BYTES`), one launched
+    per :meth:`DelayedAverage.progress`, so that other rounds pass between them; a wire format
+    that keeps state (int8 with error feedback) travels whole. Returns None where :func:`~hvd_averaging.rounds.average_tensors` would move
     nothing. Raises what it raises before data moves, and ``ValueError`` (on every member) when
     ``snapshots`` do not fit the tensors.
     """
@@ -196,7 +203,7 @@ def start_delayed_average(
         check_same_on_all_ranks(f"{round_.what} snapshot from the checkpoint", True,
                                 local_error=error, process_set=round_.process_set,
                                 name=f"hva.snapshot.{round_.process_set.process_set_id}.{name}")
-    return DelayedAverage(round_, buffers, snapshots, before_send)
+    return DelayedAverage(round_, buffers, snapshots, before_send, pieces)
 
 
 class DelayedRounds:
@@ -207,8 +214,9 @@ class DelayedRounds:
     :meth:`launched`; :meth:`advance` calls it back to restart a checkpoint's round.
     """
 
-    def __init__(self, delays: Mapping[int, int]) -> None:
+    def __init__(self, delays: Mapping[int, int], pieces: Optional[Mapping[int, int]] = None) -> None:
         self.delays = dict(delays)
+        self.pieces = dict(pieces or {})  # per level: its rounds travel in up to this many pieces
         self.transforms: dict[int, AverageTransform] = {}  # per level, applied before the average
         self.before_send: dict[int, Optional[AverageTransform]] = {}  # per level, on what travels
         self.buffers: dict[int, dict] = {}
@@ -240,8 +248,8 @@ class DelayedRounds:
             self._in_flight[level] = (fired_at + self.delays[level], round_)
 
     def advance(self, step: int, restart: Callable[[int, dict], None]) -> None:
-        """Restart rounds read from a checkpoint (``restart(level, saved)``), apply those due at
-        ``step``, keep the others moving (a poll each: no waiting)."""
+        """Restart rounds read from a checkpoint (``restart(level, saved)``) and apply those due
+        at ``step``."""
         for level, saved in sorted(self._to_restart.items()):
             del self._to_restart[level]
             restart(level, saved)
@@ -249,8 +257,13 @@ class DelayedRounds:
             if step >= apply_at:
                 del self._in_flight[level]
                 round_.apply(self.transforms.get(level))
-            else:
-                round_.progress()
+
+    def keep_moving(self) -> None:
+        """Launch the next stage or piece of every round in flight whose current one finished
+        (a poll each: no waiting). The averager calls it after the step's own round, so that
+        round does not queue behind a piece launched just before it."""
+        for _, round_ in self._in_flight.values():
+            round_.progress()
 
     def drop(self) -> None:
         """Forget every round: their collectives died with the world they ran in."""

@@ -8,7 +8,8 @@ import horovod.torch as hvd
 
 from .averagers import ModelAverager
 from .process_sets import members
-from .schedule import check_warmup_steps, hierarchical_period, level_delays, level_values, normalize_hierarchy
+from .schedule import (check_warmup_steps, delayed_level_pieces, hierarchical_period, level_delays,
+                       level_values, normalize_hierarchy)
 from .topology import hierarchy_groups
 from .wire import level_codecs
 
@@ -37,7 +38,11 @@ class HierarchicalModelAverager(ModelAverager):
         delay: an int delays the top level (across nodes) as in :class:`PeriodicModelAverager`;
             ``{period: delay}`` delays the levels named, each ``< period``. A delayed level's
             round stays in flight while lower levels average as scheduled; at its apply step it
-            adds ``average(snapshot) - snapshot`` to the parameters. Default 0.
+            adds ``average(snapshot) - snapshot`` to the parameters. Default 0. A delayed level
+            above another travels in up to ``delay`` pieces of at least 256 KiB, one launched
+            per step after that step's own round, so the lower levels' rounds wait for one
+            piece at most, not for the whole round on Horovod's single background thread
+            (:func:`~hvd_averaging.schedule.delayed_level_pieces`; same averages, piece by piece).
         compression: ``"fp16"``, ``hvd.Compression.fp16`` or ``"int8"`` for every level, or
             ``{period: compression}`` for the levels named (e.g. ``{32: "int8"}``: only the top
             level, the one that crosses the link); see :class:`PeriodicModelAverager`.
@@ -74,10 +79,11 @@ class HierarchicalModelAverager(ModelAverager):
                                             stacklevel=3)
             check_warmup_steps(warmup_steps)
             periods = list(hierarchy)
+            delays = level_delays(delay, periods)
             self._levels.configure(
-                level_delays(delay, periods),
-                level_codecs(level_values(compression, periods, "compression", None),
-                             error_feedback, stacklevel=3))
+                delays, level_codecs(level_values(compression, periods, "compression", None),
+                                     error_feedback, stacklevel=3),
+                pieces=delayed_level_pieces(delays))
         except ValueError as e:
             error = e
         self.warmup_steps = warmup_steps

@@ -41,9 +41,11 @@ class LevelRounds:
         # same order on every rank: tells apart the rounds two averagers leave in flight at once
         self._number = current_world().component(ConstructionOrder).next()
 
-    def configure(self, delays: Mapping[int, int], codecs: Mapping[int, WireCodec]) -> None:
-        """Set the levels' delays and wire formats (before the first round)."""
-        self._delayed = DelayedRounds(delays)
+    def configure(self, delays: Mapping[int, int], codecs: Mapping[int, WireCodec],
+                  pieces: Optional[Mapping[int, int]] = None) -> None:
+        """Set the levels' delays, wire formats and, per delayed level, how many pieces its
+        rounds may travel in (before the first round)."""
+        self._delayed = DelayedRounds(delays, pieces)
         self.codecs = dict(codecs)
 
     @property
@@ -68,11 +70,16 @@ class LevelRounds:
                             compression=self.codecs.get(level), context=f"{self.owner} step {step}")
 
     def advance(self, step: int, tensors: Callable[[], list[torch.Tensor]], set_at: SetAt) -> None:
-        """Before ``step``'s schedule: restart rounds read from a checkpoint, apply those due,
-        keep the others moving (no waiting)."""
+        """Before ``step``'s schedule: restart rounds read from a checkpoint, apply those due."""
         if self._delayed.active:
             self._delayed.advance(step, lambda level, saved: self._start_delayed(
                 tensors(), set_at(level), level, saved["fired_at"], saved))
+
+    def keep_moving(self) -> None:
+        """After ``step``'s schedule: launch the next stage or piece of the rounds in flight
+        whose current one finished (no waiting)."""
+        if self._delayed.active:
+            self._delayed.keep_moving()
 
     def drop_in_flight(self) -> None:
         """Forget the rounds in flight: their collectives died with the world they ran in."""
@@ -89,7 +96,8 @@ class LevelRounds:
             compression=self.codecs.get(level),
             snapshots=None if saved is None else saved["snapshots"],
             snapshot_layout=None if saved is None else saved["layout"],
-            before_send=self._delayed.before_send.get(level))
+            before_send=self._delayed.before_send.get(level),
+            pieces=self._delayed.pieces.get(level, 1))
         self._delayed.launched(level, fired_at, round_)
 
     def wire_specs(self) -> dict[int, Any]:

@@ -10,6 +10,7 @@ import warnings
 from typing import Mapping, Optional
 
 __all__ = [
+    "delayed_level_pieces",
     "check_int",
     "check_positive_int",
     "check_warmup_steps",
@@ -214,3 +215,21 @@ def level_delays(delay, periods) -> dict[int, int]:
         except ValueError as error:
             raise ValueError(f"level with period {period}: {error}") from None
     return delays
+
+
+def delayed_level_pieces(delays: Mapping[int, int]) -> dict[int, int]:
+    """How many pieces (at most) each delayed level's rounds travel in: ``delay`` pieces, one
+    per step of its window, for a level with a smaller level beneath it (whose rounds would
+    otherwise wait behind the whole round on Horovod's one background thread); the lowest level
+    travels whole. ``delays``: ``{period: delay}``, periods ascending.
+
+    Example::
+
+        >>> delayed_level_pieces({2: 0, 16: 8})
+        {16: 8}
+        >>> delayed_level_pieces({16: 8})
+        {}
+    """
+    lowest = min(delays, default=None)
+    return {period: delay for period, delay in delays.items() if delay > 1 and period != lowest}
+

@@ -14,11 +14,15 @@ counters, finite checks) is :mod:`hvd_averaging.rounds`', its bounded wait
 - :mod:`.reduce_scatter_allgather`: a reduce-scatter then an allgather over the set.
 - :mod:`.node_aware`: reduce-scatter inside each node, the rail's averaging across nodes,
   allgather inside each node (each node's link carries one model).
+- :mod:`.in_pieces`: any of them over pieces of the buffers in turn (a delayed round that the
+  node rounds must be able to pass).
 """
 
 from .base import Transfer, Transport
 from .flat_allreduce import FlatAllreduce
+from .in_pieces import InPieces
 from .node_aware import NodeAware
 from .reduce_scatter_allgather import ReduceScatterAllgather
 
-__all__ = ["Transport", "Transfer", "FlatAllreduce", "ReduceScatterAllgather", "NodeAware"]
+__all__ = ["Transport", "Transfer", "FlatAllreduce", "ReduceScatterAllgather", "NodeAware",
+           "InPieces"]

@@ -49,8 +49,9 @@ import torch
 
 from ..routes import Route
 from ..transports.base import Stages, Transport
+from ..transports.in_pieces import piece_bounds
 from .base import AgreeFinite, WireFormat
-from .int8_blocks import (check_block_size, dequantize_blocks, pack_rows, piece_bounds,
+from .int8_blocks import (check_block_size, dequantize_blocks, pack_rows,
                           quantize_blocks, unpack_rows)
 from .registry import WIRE_FORMATS
 

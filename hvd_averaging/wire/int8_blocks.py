@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["check_block_size", "quantize_blocks", "dequantize_blocks", "pack_rows", "unpack_rows",
-           "int8_error_bound", "window_absmax", "piece_bounds"]
+           "int8_error_bound", "window_absmax"]
 
 _LEVELS = 127  # symmetric: -127..127, so that -x quantizes to -q
 
@@ -77,21 +77,3 @@ def window_absmax(values: torch.Tensor, block_size: int) -> torch.Tensor:
     ``block_size - 1`` positions (an upper bound of its block's ``A``, whatever the route)."""
     peaks = values.abs().amax(dim=0).view(1, 1, -1).float()
     return F.max_pool1d(peaks, 2 * block_size - 1, stride=1, padding=block_size - 1).view(-1)
-
-
-def piece_bounds(chunk: int, block_size: int, pieces: int,
-                 min_blocks: int = 64) -> list[tuple[int, int]]:
-    """Split a chunk of ``chunk`` values into at most ``pieces`` runs that start on block
-    boundaries (so every block, and its scale, is the one the whole chunk would have), each of
-    at least ``min_blocks`` blocks where the chunk allows.
-
-    Example::
-
-        >>> piece_bounds(10, 2, 3, min_blocks=1)
-        [(0, 4), (4, 8), (8, 10)]
-    """
-    blocks = -(-chunk // block_size)
-    count = max(1, min(pieces, blocks // max(1, min_blocks)))
-    per_piece = -(-blocks // count) * block_size
-    return [(start, min(start + per_piece, chunk)) for start in range(0, chunk, per_piece)] \
-        or [(0, chunk)]

@@ -8,13 +8,14 @@ import pytest
 import torch
 
 import hvd_averaging as hva
+from hvd_averaging.schedule import delayed_level_pieces
 from helpers import OutOfBand, expect_error_on_every_rank
 
 SHAPE = (40_000,)  # float64: 320 kB, a few stages' worth
 
 
-def start_value(rank):
-    return torch.linspace(0, 1, SHAPE[0], dtype=torch.float64) * (rank + 1)
+def start_value(rank, numel=SHAPE[0]):
+    return torch.linspace(0, 1, numel, dtype=torch.float64) * (rank + 1)
 
 
 def local_update(rank, step, values):
@@ -28,10 +29,10 @@ def make_param(values):
     return p
 
 
-def reference(world, steps, firing, delay, sync_levels=lambda s: None):
+def reference(world, steps, firing, delay, sync_levels=lambda s: None, numel=SHAPE[0]):
     """Every rank's parameters after every step, computed on one process: local update, then
     apply a round due at this step, then a synchronous lower level, then start a round."""
-    params = [start_value(r) for r in range(world)]
+    params = [start_value(r, numel) for r in range(world)]
     in_flight, history = None, []
     for step in range(steps):
         params = [local_update(r, step, params[r]) for r in range(world)]
@@ -51,8 +52,8 @@ def reference(world, steps, firing, delay, sync_levels=lambda s: None):
     return history
 
 
-def run(averager, rank, steps, param=None, start=0, history=None):
-    param = param if param is not None else make_param(start_value(rank))
+def run(averager, rank, steps, param=None, start=0, history=None, numel=SHAPE[0]):
+    param = param if param is not None else make_param(start_value(rank, numel))
     for step in range(start, steps):
         with torch.no_grad():
             param.copy_(local_update(rank, step, param.detach()))
@@ -94,16 +95,19 @@ def test_delay_zero_is_the_synchronous_averager(world, rank):
     assert torch.equal(pa.detach(), pb.detach())
 
 
-def test_hierarchical_top_level_delay_with_lower_level_in_the_window(world, rank):
+# 320 kB travels whole; 1.6 MB in 3 pieces (one per step of the window) when pairs sit beneath
+@pytest.mark.parametrize("numel", [SHAPE[0], 200_000])
+def test_hierarchical_top_level_delay_with_lower_level_in_the_window(world, rank, numel):
     # top level every 8 steps, delayed by 3; pairs (inside a node) every 2 steps, synchronous
     pairs = world >= 4
     hierarchy = {2: 2, 8: world} if pairs else {8: world}
     averager = hva.HierarchicalModelAverager(hierarchy, delay=3)
     assert averager.level_delays == {**({2: 0} if pairs else {}), 8: 3}
+    assert delayed_level_pieces(averager.level_delays) == ({8: 3} if pairs else {})
     history = []
-    run(averager, rank, 20, history=history)
+    run(averager, rank, 20, history=history, numel=numel)
     pair_of = lambda r: [r - r % 2, r - r % 2 + 1]  # noqa: E731
-    expected = reference(world, 20, lambda s: s % 8 == 0, 3,
+    expected = reference(world, 20, lambda s: s % 8 == 0, 3, numel=numel,
                          sync_levels=lambda s: (pair_of if pairs and s % 2 == 0 and s % 8 else None))
     check_every_rank(history, expected, world)
 

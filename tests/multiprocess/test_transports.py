@@ -15,7 +15,8 @@ from helpers import expect_error_on_every_rank, param
 from hvd_averaging.rounds import average_tensors
 from hvd_averaging.routes import averaging_route, routes
 from hvd_averaging.traffic import interface_tx_bytes
-from hvd_averaging.transports import FlatAllreduce, NodeAware, ReduceScatterAllgather
+from hvd_averaging.transports import (FlatAllreduce, InPieces, NodeAware, ReduceScatterAllgather,
+                                      Transport)
 from hvd_averaging.wire import COMPRESSION_CHOICES, Fp16Wire, fp16_error_bound, fp16_scale
 
 U32 = 2.0 ** -24  # float32 unit roundoff
@@ -161,6 +162,54 @@ def test_node_aware_comes_back_in_place_for_any_length(world, rank, rail_allredu
         out = drive(transport, values.clone(), f"test.len{numel}.{rail_allreduce}")
         expected = torch.arange(numel, dtype=torch.float32) * (world + 1) / 2
         assert torch.allclose(out, expected, rtol=1e-6), numel
+
+
+class Counting(Transport):
+    """``inner`` itself, keeping the names of every round it was asked to run."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+
+    def stages(self, buffers, names):
+        self.calls.append(list(names))
+        return (yield from self.inner.stages(buffers, names))
+
+    def cross_node_bytes(self, buffers):
+        return self.inner.cross_node_bytes(buffers)
+
+
+@pytest.mark.parametrize("inner", ["flat", "reduce-scatter"])
+def test_in_pieces_gives_the_whole_round_average_one_piece_per_stage(world, rank, inner):
+    """Piece by piece (each piece one stage, launched when the previous one is collected), the
+    same values as the whole buffer's round, on every rank; two buffers of different lengths."""
+    way = FlatAllreduce(hvd.global_process_set, NODES > 1) if inner == "flat" else \
+        ReduceScatterAllgather(hvd.global_process_set, world, NODES > 1)
+    g = torch.Generator().manual_seed(rank)
+    big = torch.randn(300_007, generator=g)  # 1.2 MB: 4 pieces of at least 256 KiB
+    small = torch.randn(70_000, generator=g, dtype=torch.float64)  # 560 kB: 2 pieces
+    whole = [big.clone(), small.clone()]
+    transfer = way.start(whole, [f"test.whole.{inner}.f", f"test.whole.{inner}.d"], "test whole")
+    while not transfer.advance():
+        time.sleep(1e-4)
+    expected = transfer.result
+    pieces = InPieces(Counting(way), pieces=8)
+    buffers = [big.clone(), small.clone()]
+    transfer = pieces.start(buffers, [f"test.pieces.{inner}.f", f"test.pieces.{inner}.d"], "test")
+    while not transfer.advance():
+        time.sleep(1e-4)
+    # the pieces travel one after another: 4 of the float32 buffer, 2 of the float64 one
+    assert pieces.inner.calls == [[f"test.pieces.{inner}.f.piece0", f"test.pieces.{inner}.d.piece0"],
+                                  [f"test.pieces.{inner}.f.piece1", f"test.pieces.{inner}.d.piece1"],
+                                  [f"test.pieces.{inner}.f.piece2"], [f"test.pieces.{inner}.f.piece3"]]
+    for got, want, exact in zip(transfer.result, expected, (big, small)):
+        assert got.data_ptr() in (b.data_ptr() for b in buffers)  # in place
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+        mean = hvd.allreduce(exact, op=hvd.Average, name=f"test.exact.{inner}.{exact.dtype}")
+        assert torch.allclose(got, mean, rtol=1e-5, atol=1e-6)
+    every = hvd.allgather(transfer.result[0].reshape(1, -1), name=f"test.pieces.same.{inner}")
+    assert all(torch.equal(row, every[0]) for row in every)
+    with pytest.raises(ValueError, match=r"pieces=0 must be a positive int"):
+        InPieces(way, pieces=0)
 
 
 @pytest.mark.parametrize("node_aware", [False, True])

@@ -16,7 +16,7 @@ from hvd_averaging.rounds import average_tensors
 from hvd_averaging.routes import Route, averaging_route, routes
 from hvd_averaging.wire import COMPRESSION_CHOICES, Int8, int8_error_bound, window_absmax
 from hvd_averaging.wire.int8 import Int8Exchange, Residuals
-from hvd_averaging.wire.int8_blocks import piece_bounds
+from hvd_averaging.transports.in_pieces import piece_bounds
 from test_transports import link_sent_bytes, pseudo_nodes, stages_on_this_run
 
 NUMEL = 300_007  # above the node-aware threshold, not divisible by 2, 3 or 4

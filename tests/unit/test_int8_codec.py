@@ -9,7 +9,7 @@ import hvd_averaging as hva
 from hvd_averaging.wire import (COMPRESSION_CHOICES, WIRE_FORMATS, AsIs, Fp16, Int8,
                                 dequantize_blocks, level_codecs, quantize_blocks, window_absmax,
                                 wire_format)
-from hvd_averaging.wire.int8_blocks import piece_bounds
+from hvd_averaging.transports.in_pieces import piece_bounds
 
 
 @pytest.mark.parametrize("length,block", [(1, 1), (5, 2), (1024, 1024), (3000, 1024), (7, 64)])

@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from hvd_averaging.schedule import check_delay, level_delays, level_values
+from hvd_averaging.schedule import check_delay, delayed_level_pieces, level_delays, level_values
+from hvd_averaging.transports.in_pieces import piece_bounds
 from hvd_averaging.wire import FP16_MAX, fp16_error_bound, fp16_scale
 from hvd_averaging.wire.fp16 import FP16_SUM_LIMIT
 
@@ -76,3 +77,21 @@ def test_level_delays_and_values():
         level_delays({4: 1}, [2, 8])
     assert level_values("x", [2, 8], "compression", None) == {2: "x", 8: "x"}
     assert level_values({8: "x"}, [2, 8], "compression", None) == {2: None, 8: "x"}
+
+
+def test_a_delayed_level_above_another_travels_in_one_piece_per_step_of_its_window():
+    assert delayed_level_pieces({2: 0, 16: 8}) == {16: 8}
+    assert delayed_level_pieces({2: 1, 8: 3}) == {8: 3}  # the lowest level travels whole
+    assert delayed_level_pieces({2: 0, 4: 2, 16: 8}) == {4: 2, 16: 8}
+    assert delayed_level_pieces({2: 0, 16: 1}) == {}  # one step: nothing to cut
+    assert delayed_level_pieces({16: 8}) == {} and delayed_level_pieces({}) == {}
+
+
+def test_pieces_are_at_least_the_minimum_and_cover_the_buffer():
+    # the race's 1.4 MiB model: 5 pieces of >= 256 KiB (64 blocks of 1024 float32) out of 8 allowed
+    bounds = piece_bounds(367_000, 1024, 8, min_blocks=64)
+    assert len(bounds) == 5 and bounds[0][0] == 0 and bounds[-1][1] == 367_000
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    assert all((hi - lo) * 4 >= 256 * 1024 for lo, hi in bounds[:-1])
+    assert piece_bounds(40_000, 1024, 8, min_blocks=64) == [(0, 40_000)]
+
