@@ -83,7 +83,7 @@ class DelayedAverage:
                 before_send(round_.packing.tensors, round_.packing.views_into(wires))
         transport = round_.transport()
         if pieces > 1 and not round_.codec.keeps_state:  # a state follows the whole buffer
-            transport = InPieces(transport, pieces)
+            transport = InPieces(transport, window=pieces)
         self.nbytes = round_.count(transport, wires)
         self.started_at = time.monotonic()
         with guarded_enqueue(self.what):
@@ -180,9 +180,9 @@ def start_delayed_average(
     the same snapshot is averaged again, so the result is the one the interrupted round would
     have given. ``before_send(tensors, wire_views)`` may change, in place, what travels (a copy
     of the snapshot; the snapshot itself is kept): DiLoCo subtracts its global copy, so that the
-    progress since it is averaged. ``pieces > 1`` cuts what travels into that many pieces (at
-    most; none under :data:`~hvd_averaging.transports.in_pieces.MIN_PIECE_BYTES`), one launched
-    per :meth:`DelayedAverage.progress`, so that other rounds pass between them; a wire format
+    progress since it is averaged. ``pieces > 1`` cuts what travels into pieces that take at most
+    that many stages in all (none under :data:`~hvd_averaging.transports.in_pieces.MIN_PIECE_BYTES`),
+    one stage launched per :meth:`DelayedAverage.progress`, so that other rounds pass between them; a wire format
     that keeps state (int8 with error feedback) travels whole. Returns None where :func:`~hvd_averaging.rounds.average_tensors` would move
     nothing. Raises what it raises before data moves, and ``ValueError`` (on every member) when
     ``snapshots`` do not fit the tensors.

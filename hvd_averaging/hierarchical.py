@@ -39,10 +39,11 @@ class HierarchicalModelAverager(ModelAverager):
             ``{period: delay}`` delays the levels named, each ``< period``. A delayed level's
             round stays in flight while lower levels average as scheduled; at its apply step it
             adds ``average(snapshot) - snapshot`` to the parameters. Default 0. A delayed level
-            above another travels in up to ``delay`` pieces of at least 256 KiB, one launched
-            per step after that step's own round, so the lower levels' rounds wait for one
-            piece at most, not for the whole round on Horovod's single background thread
-            (:func:`~hvd_averaging.schedule.delayed_level_pieces`; same averages, piece by piece).
+            above another travels in pieces of at least 256 KiB that take at most ``delay``
+            stages in all, one stage launched per step after that step's own round, so the lower
+            levels' rounds wait for one piece at most, not for the whole round on Horovod's
+            single background thread (:func:`~hvd_averaging.schedule.delayed_level_pieces`,
+            :class:`~hvd_averaging.transports.InPieces`; same averages, piece by piece).
         compression: ``"fp16"``, ``hvd.Compression.fp16`` or ``"int8"`` for every level, or
             ``{period: compression}`` for the levels named (e.g. ``{32: "int8"}``: only the top
             level, the one that crosses the link); see :class:`PeriodicModelAverager`.

@@ -218,10 +218,10 @@ def level_delays(delay, periods) -> dict[int, int]:
 
 
 def delayed_level_pieces(delays: Mapping[int, int]) -> dict[int, int]:
-    """How many pieces (at most) each delayed level's rounds travel in: ``delay`` pieces, one
-    per step of its window, for a level with a smaller level beneath it (whose rounds would
-    otherwise wait behind the whole round on Horovod's one background thread); the lowest level
-    travels whole. ``delays``: ``{period: delay}``, periods ascending.
+    """The stage launches each delayed level's rounds may take in pieces (its ``delay``: one per
+    step of its window; see :class:`~hvd_averaging.transports.InPieces`), for a level with a
+    smaller level beneath it (whose rounds would otherwise wait behind the whole round on
+    Horovod's one background thread); the lowest level travels whole. ``delays``: ``{period: delay}``, periods ascending.
 
     Example::
 

@@ -95,7 +95,7 @@ def test_delay_zero_is_the_synchronous_averager(world, rank):
     assert torch.equal(pa.detach(), pb.detach())
 
 
-# 320 kB travels whole; 1.6 MB in 3 pieces (one per step of the window) when pairs sit beneath
+# 320 kB travels whole; 1.6 MB in pieces (within the window's 3 stages) when pairs sit beneath
 @pytest.mark.parametrize("numel", [SHAPE[0], 200_000])
 def test_hierarchical_top_level_delay_with_lower_level_in_the_window(world, rank, numel):
     # top level every 8 steps, delayed by 3; pairs (inside a node) every 2 steps, synchronous
