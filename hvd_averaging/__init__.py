@@ -16,7 +16,8 @@ Layers, each importing only the ones before it (the README's layout lists what e
 - when: ``schedule`` (pure), ``membership`` (an averager's process sets per level, following
   the world), ``levels`` (each level's wire format and rounds in flight), ``averagers``,
   ``hierarchical``;
-- training integration: ``optim`` (post-local SGD), ``outer`` (DiLoCo), ``elastic``;
+- training integration: ``optim`` (post-local SGD), ``outer_optimizers`` and ``outer_schedules``
+  (what the outer step runs), ``outer`` (DiLoCo), ``elastic``;
 - ``examples``.
 """
 
@@ -24,7 +25,9 @@ from .averagers import ModelAverager, PeriodicModelAverager
 from .deadlines import AveragingTimeoutError, set_timeout, timeout
 from .hierarchical import HierarchicalModelAverager
 from .optim import PostLocalSGD, PostLocalSGDOptimizer
-from .outer import DiLoCo, default_outer_optimizer, slowmo_outer_optimizer
+from .outer import DiLoCo
+from .outer_optimizers import default_outer_optimizer, slowmo_outer_optimizer
+from .outer_schedules import OuterMomentumWarmup
 from .process_sets import local_process_set, process_set
 from .rounds import NonFiniteError, average_parameters
 from .startup import init
@@ -42,6 +45,7 @@ __all__ = [
     "PostLocalSGD",
     "DiLoCo",
     "default_outer_optimizer",
+    "OuterMomentumWarmup",
     "slowmo_outer_optimizer",
     "local_process_set",
     "timeout",

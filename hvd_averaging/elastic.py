@@ -78,7 +78,7 @@ class AveragerStateHandler(StateHandler):
 
 class DiLoCoStateHandler(StateHandler):
     """Saves, restores and synchronizes a :class:`~hvd_averaging.DiLoCo` inside ``TorchState``:
-    inner optimizer, averager step, global copy and outer optimizer."""
+    inner optimizer, averager step, global copy, outer optimizer and its schedule."""
 
     def __init__(self, diloco: DiLoCo):
         super().__init__(diloco)
@@ -95,13 +95,16 @@ class DiLoCoStateHandler(StateHandler):
         self._saved = {
             "inner": copy.deepcopy(self.value.optim.state_dict()),
             "outer": copy.deepcopy(self.value.outer_optimizer.state_dict()),
-            "global": [g.detach().clone() for g in self.value.global_parameters]}
+            "global": [g.detach().clone() for g in self.value.global_parameters],
+            "schedule": _schedule_state(self.value)}
 
     def restore(self) -> None:
         # Local only, as for the averager: collectives fail right after a HorovodInternalError.
         self._averager.restore()
         self.value.optim.load_state_dict(self._saved["inner"])
         self.value.outer_optimizer.load_state_dict(self._saved["outer"])
+        if self.value.outer_scheduler is not None:
+            self.value.outer_scheduler.load_state_dict(self._saved["schedule"])
         with torch.no_grad():
             for global_, saved in zip(self.value.global_parameters, self._saved["global"]):
                 global_.copy_(saved)
@@ -119,10 +122,21 @@ class DiLoCoStateHandler(StateHandler):
                                     name=f"hva.elastic.diloco.optimizer{index}")
             if hvd.rank() != 0:
                 optimizer.load_state_dict(state)
+        if self.value.outer_scheduler is not None:  # one script on every rank; the wait is bounded
+            schedule = broadcast_state(_schedule_state(self.value) if hvd.rank() == 0 else None,
+                                       what="DiLoCo's outer schedule from rank 0 (elastic sync)",
+                                       name="hva.elastic.diloco.schedule")
+            if hvd.rank() != 0:
+                self.value.outer_scheduler.load_state_dict(schedule)
         broadcast_from_first_member(self.value.global_parameters,
                                     what="DiLoCo's global copy from rank 0 (elastic sync)",
                                     name="hva.elastic.diloco.global")
         self.save()
+
+
+def _schedule_state(diloco: DiLoCo):
+    return copy.deepcopy(diloco.outer_scheduler.state_dict()) \
+        if diloco.outer_scheduler is not None else None
 
 
 def _register_handlers() -> None:

@@ -29,26 +29,16 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from .agreement import check_same_on_all_ranks, tensor_digest
-from .averagers import ModelAverager, PeriodicModelAverager
+from .agreement import check_same_on_all_ranks, config_digest, tensor_digest
+from .averagers import ModelAverager
 from .broadcast import broadcast_from_first_member
 from .checkpoint import optimizer_state_error, tensors_error
-from .hierarchical import HierarchicalModelAverager
 from .optim import PostLocalSGDOptimizer, called_to_initialize_state
+from .outer_optimizers import outer_optimizer_and_schedule
 from .params import collect_parameters
 from .startup import elastic_job
 
-__all__ = ["DiLoCo", "default_outer_optimizer", "slowmo_outer_optimizer"]
-
-
-def default_outer_optimizer(params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
-    """DiLoCo's outer optimizer: ``SGD(lr=0.7, momentum=0.9, nesterov=True)``."""
-    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
-
-
-def slowmo_outer_optimizer(params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
-    """SlowMo's outer optimizer: ``SGD(lr=1.0, momentum=0.5)``."""
-    return torch.optim.SGD(params, lr=1.0, momentum=0.5)
+__all__ = ["DiLoCo"]
 
 
 class DiLoCo(PostLocalSGDOptimizer):
@@ -63,7 +53,12 @@ class DiLoCo(PostLocalSGDOptimizer):
             step) or :class:`~hvd_averaging.HierarchicalModelAverager` (its largest period does;
             smaller periods average plainly).
         outer_optimizer: ``params -> torch.optim.Optimizer`` over the global copy; default
-            :func:`default_outer_optimizer` (DiLoCo); :func:`slowmo_outer_optimizer` for SlowMo.
+            :func:`~hvd_averaging.default_outer_optimizer` (DiLoCo);
+            :func:`~hvd_averaging.slowmo_outer_optimizer` for SlowMo.
+        outer_scheduler: ``outer optimizer -> schedule``, stepped after every outer step and
+            saved in ``state_dict()["outer_scheduler"]``: a
+            :class:`~hvd_averaging.OuterMomentumWarmup` (Pier's momentum warm-up) or any of
+            PyTorch's LR schedulers (e.g. ``LambdaLR`` on the outer learning rate).
         buffers, grad_scaler: as in :class:`~hvd_averaging.PostLocalSGDOptimizer`.
         global_on_cpu: keep the global copy (and the outer optimizer's state) in CPU memory, for
             GPU training where device memory is tight; the outer step then runs on the CPU.
@@ -87,8 +82,9 @@ class DiLoCo(PostLocalSGDOptimizer):
     digest of the loaded global copy across ranks.
 
     Raises:
-        TypeError: ``optim``, ``averager`` or ``outer_optimizer`` is of the wrong kind (on that
-            rank; the others raise ``RuntimeError`` naming it).
+        TypeError: ``optim``, ``averager``, ``outer_optimizer`` or ``outer_scheduler`` (or what
+            they return) is of the wrong kind; ``ValueError`` from the schedule's rules. On that
+            rank; the others raise ``RuntimeError`` naming it.
         RuntimeError: ranks hold models of different shapes.
 
     Example::
@@ -106,37 +102,35 @@ class DiLoCo(PostLocalSGDOptimizer):
 
     def __init__(self, optim: torch.optim.Optimizer, averager: ModelAverager, *,
                  outer_optimizer: Optional[Callable[[list], torch.optim.Optimizer]] = None,
+                 outer_scheduler: Optional[Callable[[torch.optim.Optimizer], Any]] = None,
                  buffers: Optional[Iterable[torch.Tensor]] = None,
                  grad_scaler: Optional[Any] = None, global_on_cpu: bool = False):
         super().__init__(optim, averager, buffers=buffers, grad_scaler=grad_scaler)
-        make_outer = outer_optimizer if outer_optimizer is not None else default_outer_optimizer
-        error = None
-        if not isinstance(averager, (PeriodicModelAverager, HierarchicalModelAverager)):
-            error = TypeError("DiLoCo needs a PeriodicModelAverager or a HierarchicalModelAverager "
-                              f"(its top level gets the outer step), got {type(averager).__name__}")
-        elif not callable(make_outer):
-            error = TypeError("outer_optimizer must be a callable params -> torch.optim.Optimizer, "
-                              f"got {type(make_outer).__name__}")
         self._params = [p for group in optim.param_groups for p in group["params"]]
-        if not elastic_job():  # elastic: DiLoCoStateHandler's sync broadcasts rank 0's state
-            check_same_on_all_ranks("DiLoCo arguments", global_on_cpu, local_error=error,
-                                    name="hva.agree.DiLoCo")
-            # One starting point, as DDP and torchft have: every rank takes the first member's
-            # parameters, so that the global copy, and what is averaged against it, agree.
-            broadcast_from_first_member(self._params, averager.process_set,
-                                        what="DiLoCo's starting point", name="hva.diloco.start")
-        elif error is not None:
-            raise error
         self.global_on_cpu = bool(global_on_cpu)
-        with torch.no_grad():
+        with torch.no_grad():  # values again below, once the ranks share one starting point
             self.global_parameters = [
                 torch.nn.Parameter(p.detach().to("cpu" if global_on_cpu else p.device, copy=True))
                 for p in self._params]
         self._global_by_id = {id(p): g for p, g in zip(self._params, self.global_parameters)}
-        self.outer_optimizer = make_outer(self.global_parameters)
-        if not isinstance(self.outer_optimizer, torch.optim.Optimizer):
-            raise TypeError("outer_optimizer(params) must return a torch.optim.Optimizer, got "
-                            f"{type(self.outer_optimizer).__name__}")
+        error = None
+        try:  # the outer optimizer and its schedule are made before any collective
+            self.outer_optimizer, self.outer_scheduler = outer_optimizer_and_schedule(
+                averager, outer_optimizer, outer_scheduler, self.global_parameters)
+        except (TypeError, ValueError) as bad:
+            error = bad
+        if not elastic_job():  # elastic: DiLoCoStateHandler's sync broadcasts rank 0's state
+            check_same_on_all_ranks("DiLoCo arguments", (global_on_cpu, outer_scheduler is None),
+                                    local_error=error, name="hva.agree.DiLoCo")
+            # One starting point, as DDP and torchft have: every rank takes the first member's
+            # parameters, so that the global copy, and what is averaged against it, agree.
+            broadcast_from_first_member(self._params, averager.process_set,
+                                        what="DiLoCo's starting point", name="hva.diloco.start")
+            with torch.no_grad():
+                for param, global_ in zip(self._params, self.global_parameters):
+                    global_.copy_(param)
+        elif error is not None:
+            raise error
         self.overlapped = bool(averager.level_delays.get(averager.top_level, 0))
         if self.overlapped:
             averager.transform_delayed_average(averager.top_level, self._outer_step_on_average,
@@ -181,6 +175,8 @@ class DiLoCo(PostLocalSGDOptimizer):
             global_.grad = torch.neg(average.detach().to(global_.device, dtype=global_.dtype)) \
                 if average is not None else torch.zeros_like(global_)
         self.outer_optimizer.step()
+        if self.outer_scheduler is not None:
+            self.outer_scheduler.step()
         new_globals = {}
         for local, global_ in zip(self._params, self.global_parameters):
             global_.grad = None
@@ -217,10 +213,12 @@ class DiLoCo(PostLocalSGDOptimizer):
         state = super().state_dict()
         state["outer_optimizer"] = self.outer_optimizer.state_dict()
         state["global_parameters"] = [g.detach().clone() for g in self.global_parameters]
+        if self.outer_scheduler is not None:
+            state["outer_scheduler"] = self.outer_scheduler.state_dict()
         return state
 
     # load_state_dict (the wrapper's) checks, agrees and applies these beside the rest.
-    _own_state_name = "digest of the global copy"
+    _own_state_name = "digest of the global copy and outer schedule"
 
     def _check_own_state(self, state_dict: dict) -> Optional[ValueError]:
         if "outer_optimizer" not in state_dict or "global_parameters" not in state_dict:
@@ -228,15 +226,33 @@ class DiLoCo(PostLocalSGDOptimizer):
                               "'global_parameters' (a checkpoint of DiLoCo.state_dict())")
         return tensors_error("global_parameters", state_dict["global_parameters"],
                              self.global_parameters) or optimizer_state_error(
-            self.outer_optimizer, state_dict["outer_optimizer"], "the outer optimizer's state")
+            self.outer_optimizer, state_dict["outer_optimizer"], "the outer optimizer's state") \
+            or self._schedule_state_error(state_dict)
+
+    def _schedule_state_error(self, state_dict: dict) -> Optional[ValueError]:
+        saved = state_dict.get("outer_scheduler")
+        if self.outer_scheduler is None:
+            return None if saved is None else ValueError(
+                "the checkpoint has an outer schedule ('outer_scheduler') and this DiLoCo has "
+                "none: pass outer_scheduler= as when it was saved")
+        if saved is None:
+            return ValueError("this DiLoCo has an outer schedule and the checkpoint has no "
+                              "'outer_scheduler' to resume it from")
+        state_error = getattr(self.outer_scheduler, "state_error", None)
+        return state_error(saved) if callable(state_error) else None
 
     def _own_state_digest(self, state_dict: dict) -> int:
         # Ranks that load different global copies would average progress against different
         # points and drift apart without any error.
-        return tensor_digest(state_dict["global_parameters"])
+        # The schedule's position too: ranks at different outer steps of it diverge as silently.
+        return config_digest((tensor_digest(state_dict["global_parameters"]),
+                              state_dict.get("outer_scheduler")))
 
     def _apply_own_state(self, state_dict: dict) -> None:
         with torch.no_grad():
             for global_, value in zip(self.global_parameters, state_dict["global_parameters"]):
                 global_.copy_(value)
         self.outer_optimizer.load_state_dict(state_dict["outer_optimizer"])
+        if self.outer_scheduler is not None:
+            self.outer_scheduler.load_state_dict(state_dict["outer_scheduler"])
+

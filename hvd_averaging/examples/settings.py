@@ -29,6 +29,7 @@ class RaceSettings:
     outer_delay: int
     outer_lr: float
     outer_momentum: float
+    outer_momentum_warmup: int
     warmup_percent: int
     local_group_size: int
     lr: Optional[float]

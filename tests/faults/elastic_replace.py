@@ -12,8 +12,8 @@ resets the others, still 4 ranks. A ``PeriodicModelAverager`` over all ranks and
 survivors as on the newcomer (they follow the world by its generation, not its size: a
 survivor that skipped the argument agreement the newcomer runs would leave both waiting in
 different collectives). A DiLoCo (outer step every 4 batches) goes with them: the newcomer
-builds its global copy from its own initial weights, and must get rank 0's at the sync (DiLoCo
-averages the progress since that copy). Every rank checks at the end, against the others, that training
+builds its global copy from its own initial weights and its outer momentum warm-up from the start,
+and must get rank 0's of both at the sync (DiLoCo averages the progress since that copy). Every rank checks at the end, against the others, that training
 completed with equal parameters after the last all-rank averaging.
 """
 import os
@@ -27,9 +27,11 @@ import torch
 import hvd_averaging as hva
 import hvd_averaging.elastic  # noqa: F401  (registers the averagers with TorchState)
 from elastic_step import train_step, train_step_diloco
+from hvd_averaging.outer_schedules import warmed_up_momentum
 from hvd_averaging.process_sets import members
 
 BATCHES, REPLACE_AT = 41, 10  # step 40 averages over all ranks at both averagers
+WARMUP_OUTER_STEPS = 20  # longer than the run's 11 outer steps: the newcomer must resume it
 NODES = os.environ["HVA_ELASTIC_NODES"].split(",")
 HOSTS_FILE = Path(os.environ["HVA_ELASTIC_HOSTS_FILE"])
 
@@ -44,8 +46,9 @@ state = hvd.elastic.TorchState(
     flat_model=flat_model, tree_model=tree_model, flat_opt=flat_opt, tree_opt=tree_opt,
     periodic=hva.PeriodicModelAverager(period=4),
     hierarchical=hva.HierarchicalModelAverager({2: 2, 4: hvd.size()}),
-    outer_model=outer_model, diloco=hva.DiLoCo(torch.optim.SGD(outer_model.parameters(), lr=0.05),
-                                               hva.PeriodicModelAverager(period=4)),
+    outer_model=outer_model, diloco=hva.DiLoCo(
+        torch.optim.SGD(outer_model.parameters(), lr=0.05), hva.PeriodicModelAverager(period=4),
+        outer_scheduler=lambda outer: hva.OuterMomentumWarmup(outer, WARMUP_OUTER_STEPS)),
     batch=0, hosts_seen=[])
 
 
@@ -81,11 +84,17 @@ globals_ = hvd.allgather(state.diloco.global_parameters[0].detach().reshape(1, -
                          name="replace.global")
 steps = hvd.allgather_object([state.periodic.step, state.hierarchical.step,
                               state.diloco.averager.step], name="replace.steps")
+warmups = hvd.allgather_object((state.diloco.outer_scheduler.outer_steps_taken,
+                                state.diloco.outer_optimizer.param_groups[0]["momentum"]),
+                               name="replace.warmup")
 print(f"rank {hvd.rank()}: size {size}, hosts seen {state.hosts_seen}, steps {steps}, "
       f"pair {pair}", flush=True)
 assert size == 4, size
 assert state.hosts_seen == [sorted(NODES[:4]), sorted(NODES[:3] + NODES[4:])], state.hosts_seen
 assert steps == [[BATCHES, BATCHES, BATCHES]] * size, steps
+outer_steps = (BATCHES - 1) // 4 + 1  # DiLoCo's firing steps 0, 4, ..., 40
+assert warmups == [(outer_steps, warmed_up_momentum(0.9, 0.0, WARMUP_OUTER_STEPS, outer_steps))] * size, \
+    warmups
 rank = hvd.rank()
 assert pair == [rank - rank % 2, rank - rank % 2 + 1], pair  # one rank per node: rank order
 for label, weights in (("periodic", flat), ("hierarchical", tree), ("DiLoCo", outer),
@@ -94,4 +103,5 @@ for label, weights in (("periodic", flat), ("hierarchical", tree), ("DiLoCo", ou
 if hvd.rank() == 0:
     print(f"elastic replace ok: {NODES[3]}'s worker replaced by one on {NODES[4]}, 4 ranks before "
           f"and after, step {steps[0][0]} on every rank, parameters equal after the final "
-          "averaging at both averagers and after DiLoCo's outer step, its global copy equal", flush=True)
+          "averaging at both averagers and after DiLoCo's outer step, its global copy and momentum "
+          "warm-up equal", flush=True)

@@ -110,6 +110,9 @@ def test_cross_node_compression_is_named_in_every_averaging_label():
     (["--methods", "diloco"], ["without the baseline", "--budget-s"]),
     (["--period", "0"], ["--period 0", "positive integer"]),
     (["--outer-momentum", "1.0"], ["--outer-momentum 1.0", "[0, 1)"]),
+    (["--outer-momentum-warmup", "-1"], ["--outer-momentum-warmup -1", ">= 0"]),
+    (["--outer-momentum-warmup", "4", "--outer-momentum", "0"],
+     ["--outer-momentum-warmup 4", "without an outer momentum"]),
     (["--lr", "0"], ["--lr 0.0", "positive"]),
 ])
 def test_bad_race_arguments_name_the_value_and_the_rule(argv, words):
