@@ -77,16 +77,16 @@ def check_race_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} {value}: must be positive")
     if not 0 <= args.outer_momentum < 1:
         raise ValueError(f"--outer-momentum {args.outer_momentum}: must be in [0, 1)")
-    if args.outer_momentum_warmup < 0 or (args.outer_momentum_warmup and not args.outer_momentum):
-        raise ValueError(f"--outer-momentum-warmup {args.outer_momentum_warmup}: must be >= 0, "
-                         "and 0 without an outer momentum")
+    if args.outer_momentum_warmup < 0:
+        raise ValueError(f"--outer-momentum-warmup {args.outer_momentum_warmup}: must be >= 0 "
+                         "(0: no warm-up)")
 
 
 def label(method: str, args: argparse.Namespace) -> str:
     levels = lambda h: ",".join(f"{p}:{s}" for p, s in h.items())  # noqa: E731
     overlap = f", overlap {args.outer_delay}" if args.outer_delay else ""
     warmup = (f" warmed up over {args.outer_momentum_warmup} outer steps"
-              if args.outer_momentum_warmup else "")
+              if args.outer_momentum_warmup and args.outer_momentum else "")
     outer = f"outer lr {args.outer_lr:g}, momentum {args.outer_momentum:g}{warmup}{overlap}"
     wire = ""
     if method != "baseline" and args.cross_node_compression != "none":
@@ -230,7 +230,7 @@ def build_trainer(method: str, model: torch.nn.Module, task, args, *,
                     hva.HierarchicalModelAverager(args.outer_hierarchy, delay={top: args.outer_delay},
                                                   compression={top: wire["compression"]},
                                                   error_feedback=wire["error_feedback"]))
-        warmup = args.outer_momentum_warmup
+        warmup = args.outer_momentum_warmup if args.outer_momentum else 0
         opt = hva.DiLoCo(inner, averager, outer_optimizer=_outer(args), outer_scheduler=(
             (lambda outer: hva.OuterMomentumWarmup(outer, warmup)) if warmup else None))
     else:

@@ -122,9 +122,9 @@ def parse_args(argv=None) -> RaceSettings:
     parser.add_argument("--outer-lr", type=float, default=0.5,
                         help="DiLoCo's outer lr (0.5 with Nesterov 0.9: the sweep, docs/demo.md)")
     parser.add_argument("--outer-momentum", type=float, default=0.9, help="Nesterov when > 0")
-    parser.add_argument("--outer-momentum-warmup", type=int, default=0,
-                        help="outer steps over which the outer momentum rises from 0 "
-                             "(hva.OuterMomentumWarmup; 0: none)")
+    parser.add_argument("--outer-momentum-warmup", type=int, default=8,
+                        help="outer steps over which a nonzero outer momentum rises from 0 "
+                             "(hva.OuterMomentumWarmup; 0: none; 8: the A/B in docs/demo.md)")
     parser.add_argument("--warmup-percent", type=int, default=10,
                         help="post-local SGD: the share of the baseline's steps with gradient allreduce")
     parser.add_argument("--local-group-size", type=int, default=2)
