@@ -33,6 +33,24 @@ def train_step(param, opt, rank, step):
     opt.step()
 
 
+def resume(build, saved, rank, start, steps):
+    """A fresh ``build()`` that loads ``saved`` (``{"param", "opt"}``) and trains steps
+    ``start..steps-1``; its parameter."""
+    param, opt = build()
+    with torch.no_grad():
+        param.copy_(saved["param"])
+    opt.load_state_dict(saved["opt"])
+    for s in range(start, steps):
+        train_step(param, opt, rank, s)
+    return param
+
+
+def assert_same_as_uninterrupted(param, uninterrupted, world, name):
+    """Bit-identical to the uninterrupted run, on every rank (each rank's verdict gathered)."""
+    assert torch.equal(param.detach(), uninterrupted)
+    assert hvd.allgather_object(torch.equal(param.detach(), uninterrupted), name=name) == [True] * world
+
+
 def reference(world, steps, top_fires, level_fires=lambda s: False, group_of=None,
               outer_lr=0.7, momentum=0.9, nesterov=True):
     """Every rank's parameters after every step, by hand: inner SGD, plain group averages at
@@ -119,15 +137,10 @@ def test_resume_is_bit_identical(world, rank, checkpoint_after):
     saved = {"param": param.detach().clone(), "opt": opt.state_dict()}
     assert {"averager", "outer_optimizer", "global_parameters"} <= set(saved["opt"])
     assert saved["opt"]["step"] == checkpoint_after and "step" not in saved["opt"]["averager"]
-    param, opt = make(world, lambda: hva.PeriodicModelAverager(period=3))
-    with torch.no_grad():
-        param.copy_(saved["param"])
-    opt.load_state_dict(saved["opt"])
-    for s in range(checkpoint_after, steps):
-        train_step(param, opt, rank, s)
-    assert torch.equal(param.detach(), uninterrupted)
-    assert hvd.allgather_object(torch.equal(param.detach(), uninterrupted),
-                                name=f"test.diloco.resume.{checkpoint_after}") == [True] * world
+    param = resume(lambda: make(world, lambda: hva.PeriodicModelAverager(period=3)), saved, rank,
+                   checkpoint_after, steps)
+    assert_same_as_uninterrupted(param, uninterrupted, world,
+                                 f"test.diloco.resume.{checkpoint_after}")
 
 
 def test_bad_arguments_raise_on_every_rank(world):
@@ -240,15 +253,9 @@ def test_overlapped_resume_is_bit_identical(world, rank, saved_after, wire):
         train_step(param, opt, rank, s)
     saved = {"param": param.detach().clone(), "opt": opt.state_dict()}
     assert saved["opt"]["averager"]["in_flight"][3]["fired_at"] == fired
-    param, opt = build()
-    with torch.no_grad():
-        param.copy_(saved["param"])
-    opt.load_state_dict(saved["opt"])
-    for s in range(fired + saved_after, steps):
-        train_step(param, opt, rank, s)
-    assert torch.equal(param.detach(), uninterrupted)
-    assert hvd.allgather_object(torch.equal(param.detach(), uninterrupted),
-                                name=f"test.diloco.ovl.resume.{saved_after}.{bool(wire)}") == [True] * world
+    param = resume(build, saved, rank, fired + saved_after, steps)
+    assert_same_as_uninterrupted(param, uninterrupted, world,
+                                 f"test.diloco.ovl.resume.{saved_after}.{bool(wire)}")
 
 
 def test_overlapped_fp16_on_the_wire_stays_close(world, rank):

@@ -3,13 +3,13 @@ PyTorch LR scheduler on the outer lr, blocking and overlapped, against a referen
 simulates every rank and PyTorch's SGD by hand; resuming mid-warm-up; refusals on every rank."""
 import copy
 
-import horovod.torch as hvd
 import pytest
 import torch
 
 import hvd_averaging as hva
 from helpers import expect_error_on_every_rank
-from test_diloco import LR, SHAPE, check_against, make, target, train_step
+from test_diloco import (LR, SHAPE, assert_same_as_uninterrupted, check_against, make, resume,
+                         target, train_step)
 
 OUTER_LR, MOMENTUM, WARMUP = 0.7, 0.9, 3
 
@@ -108,15 +108,8 @@ def test_resume_mid_warmup_is_bit_identical(world, rank, saved_after):
         train_step(param, opt, rank, s)
     saved = {"param": param.detach().clone(), "opt": copy.deepcopy(opt.state_dict())}
     assert saved["opt"]["outer_scheduler"]["outer_steps_taken"] == (saved_after - 1) // 3
-    param, opt = build()
-    with torch.no_grad():
-        param.copy_(saved["param"])
-    opt.load_state_dict(saved["opt"])
-    for s in range(saved_after, steps):
-        train_step(param, opt, rank, s)
-    assert torch.equal(param.detach(), uninterrupted)
-    assert hvd.allgather_object(torch.equal(param.detach(), uninterrupted),
-                                name=f"test.schedule.resume.{saved_after}") == [True] * world
+    param = resume(build, saved, rank, saved_after, steps)
+    assert_same_as_uninterrupted(param, uninterrupted, world, f"test.schedule.resume.{saved_after}")
 
 
 @pytest.mark.parametrize("saved_with, loaded_with", [(None, warmup), (warmup, None)],
