@@ -68,6 +68,12 @@ def check_race_args(args: argparse.Namespace) -> None:
     if not 0 < args.delay < args.period:
         raise ValueError(f"--delay {args.delay}: the overlapped methods' overlap must be shorter "
                          f"than their period ({args.period}); use 1..{args.period - 1}")
+    # the shortest period below a top level (2: a hierarchy left to its default)
+    shortest = min(min(sorted(h)[:-1], default=2) if h else 2
+                   for h in (args.hierarchy, args.outer_hierarchy))
+    if not 0 <= args.node_delay < shortest:
+        raise ValueError(f"--node-delay {args.node_delay}: the lower levels' overlap must be "
+                         f"shorter than their shortest period ({shortest}); use 0..{shortest - 1}")
     if not 0 <= args.outer_delay < args.outer_period:
         raise ValueError(f"--outer-delay {args.outer_delay}: the overlap must be shorter than "
                          f"the outer period ({args.outer_period}); use 0..{args.outer_period - 1}")
@@ -84,6 +90,7 @@ def check_race_args(args: argparse.Namespace) -> None:
 
 def label(method: str, args: argparse.Namespace) -> str:
     levels = lambda h: ",".join(f"{p}:{s}" for p, s in h.items())  # noqa: E731
+    node = f", node overlap {args.node_delay}" if args.node_delay else ""
     overlap = f", overlap {args.outer_delay}" if args.outer_delay else ""
     warmup = (f" warmed up over {args.outer_momentum_warmup} outer steps"
               if args.outer_momentum_warmup and args.outer_momentum else "")
@@ -98,9 +105,10 @@ def label(method: str, args: argparse.Namespace) -> str:
         "local-overlap": f"local SGD (period {args.period}, overlap {args.delay})",
         "postlocal": f"post-local SGD (warm-up {args.warmup_percent}%, period {args.period})",
         "hierarchical": f"hierarchical SGD {levels(args.hierarchy)}",
-        "hierarchical-overlap": f"hierarchical SGD {levels(args.hierarchy)} (overlap {args.delay})",
+        "hierarchical-overlap":
+            f"hierarchical SGD {levels(args.hierarchy)} (overlap {args.delay}{node})",
         "diloco": f"DiLoCo (H {args.outer_period}, {outer})",
-        "hierdiloco": f"hierarchical DiLoCo {levels(args.outer_hierarchy)} ({outer})",
+        "hierdiloco": f"hierarchical DiLoCo {levels(args.outer_hierarchy)} ({outer}{node})",
     }[method] + wire
 
 
@@ -200,6 +208,12 @@ def _outer(args):
                                           nesterov=nesterov)
 
 
+def _level_delays(hierarchy: dict, node_delay: int, top_delay: int) -> dict:
+    """An overlapped hierarchy's ``delay=``: the top level's, and ``--node-delay`` below it."""
+    top = max(hierarchy)
+    return {period: top_delay if period == top else node_delay for period in hierarchy}
+
+
 def build_trainer(method: str, model: torch.nn.Module, task, args, *,
                   warmup_steps: int = 0) -> Trainer:
     """The method's trainer over ``model`` (same construction on every rank)."""
@@ -219,7 +233,8 @@ def build_trainer(method: str, model: torch.nn.Module, task, args, *,
             local_group_size=args.local_group_size)
     elif method in ("hierarchical", "hierarchical-overlap"):
         top = max(args.hierarchy)
-        delay = {top: args.delay} if method == "hierarchical-overlap" else 0
+        delay = (_level_delays(args.hierarchy, args.node_delay, args.delay)
+                 if method == "hierarchical-overlap" else 0)
         opt = hva.PostLocalSGDOptimizer(inner, hva.HierarchicalModelAverager(
             args.hierarchy, delay=delay, compression={top: wire["compression"]},
             error_feedback=wire["error_feedback"]))
@@ -227,7 +242,9 @@ def build_trainer(method: str, model: torch.nn.Module, task, args, *,
         top = args.outer_period if method == "diloco" else max(args.outer_hierarchy)
         averager = (hva.PeriodicModelAverager(args.outer_period, delay=args.outer_delay, **wire)
                     if method == "diloco" else
-                    hva.HierarchicalModelAverager(args.outer_hierarchy, delay={top: args.outer_delay},
+                    hva.HierarchicalModelAverager(args.outer_hierarchy, delay=_level_delays(
+                                                      args.outer_hierarchy, args.node_delay,
+                                                      args.outer_delay),
                                                   compression={top: wire["compression"]},
                                                   error_feedback=wire["error_feedback"]))
         warmup = args.outer_momentum_warmup if args.outer_momentum else 0

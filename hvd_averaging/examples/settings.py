@@ -23,6 +23,7 @@ class RaceSettings:
     budget_s: Optional[float]
     period: int
     delay: int
+    node_delay: int
     hierarchy: Optional[dict]
     outer_period: int
     outer_hierarchy: Optional[dict]

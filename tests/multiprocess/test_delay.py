@@ -112,6 +112,44 @@ def test_hierarchical_top_level_delay_with_lower_level_in_the_window(world, rank
     check_every_rank(history, expected, world)
 
 
+def reference_levels(world, steps, levels, numel):
+    """Every rank's parameters after every step with several levels, each delayed or not:
+    ``levels`` is ``{period: (group of a rank, delay)}``; at each step the largest period that
+    divides it fires; every round due at a step is applied after its local update."""
+    params = [start_value(r, numel) for r in range(world)]
+    in_flight, history = [], []
+    for step in range(steps):
+        params = [local_update(r, step, params[r]) for r in range(world)]
+        for _, averages, snapshots in [f for f in in_flight if f[0] == step]:
+            params = [params[r] + (averages[r] - snapshots[r]) for r in range(world)]
+        in_flight = [f for f in in_flight if f[0] != step]
+        fired = [period for period in levels if step % period == 0]
+        if fired:
+            group, delay = levels[max(fired)]
+            means = [torch.stack([params[m] for m in group(r)]).mean(0) for r in range(world)]
+            if delay:
+                in_flight.append((step + delay, means, [p.clone() for p in params]))
+            else:
+                params = means
+        history.append([p.clone() for p in params])
+    return history
+
+
+def test_hierarchical_every_level_delayed(world, rank):
+    # pairs every 2 steps applied 1 step later, everyone every 8 applied 3 steps later (in
+    # pieces): at steps 3, 11 and 19 a pair round and a global round are due together
+    if world < 4:
+        pytest.skip("pairs beneath a larger top level need 4 ranks")
+    numel = 200_000
+    averager = hva.HierarchicalModelAverager({2: 2, 8: world}, delay={2: 1, 8: 3})
+    assert averager.level_delays == {2: 1, 8: 3}
+    history = []
+    run(averager, rank, 20, history=history, numel=numel)
+    pair_of = lambda r: [r - r % 2, r - r % 2 + 1]  # noqa: E731
+    expected = reference_levels(world, 20, {2: (pair_of, 1), 8: (lambda r: range(world), 3)}, numel)
+    check_every_rank(history, expected, world)
+
+
 @pytest.mark.parametrize("saved_after", [1, 2])  # steps after the firing step: mid-window, due now
 def test_checkpoint_while_in_flight_resumes_bit_identically(world, rank, saved_after):
     period, delay, fired, steps = 4, 2, 4, 11

@@ -108,6 +108,18 @@ def test_outer_momentum_warmup_is_named_and_dropped_without_momentum():
     assert "warmed up" not in label("diloco", _args("--outer-momentum", "0").for_world(0.01, 4))
 
 
+def test_node_delay_overlaps_the_lower_levels_of_the_overlapped_hierarchies_only():
+    from hvd_averaging.examples.methods import _level_delays, label
+    args = _args("--node-delay", "1").for_world(0.01, 4)
+    assert _level_delays(args.hierarchy, args.node_delay, args.delay) == {2: 1, 16: 8}
+    assert _level_delays({2: 2, 4: 4, 16: 8}, 1, 8) == {2: 1, 4: 1, 16: 8}
+    assert label("hierarchical-overlap", args).endswith("(overlap 8, node overlap 1)")
+    assert "node overlap 1" in label("hierdiloco", args)
+    for method in ("hierarchical", "diloco", "local-overlap"):
+        assert "node overlap" not in label(method, args)
+    assert "node overlap" not in label("hierdiloco", _args().for_world(0.01, 4))
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--budget-s", "0"], ["--budget-s 0.0", "positive"]),
     (["--budget-s", "-3"], ["--budget-s -3.0", "positive"]),
@@ -120,6 +132,10 @@ def test_outer_momentum_warmup_is_named_and_dropped_without_momentum():
     (["--outer-momentum", "1.0"], ["--outer-momentum 1.0", "[0, 1)"]),
     (["--outer-momentum-warmup", "-1"], ["--outer-momentum-warmup -1", ">= 0"]),
     (["--lr", "0"], ["--lr 0.0", "positive"]),
+    (["--node-delay", "2"], ["--node-delay 2", "0..1"]),
+    (["--node-delay", "-1"], ["--node-delay -1", "shortest period (2)"]),
+    (["--node-delay", "4", "--hierarchy", "4:2,16:4", "--outer-hierarchy", "8:2,16:4"],
+     ["--node-delay 4", "0..3"]),
 ])
 def test_bad_race_arguments_name_the_value_and_the_rule(argv, words):
     with pytest.raises(ValueError) as raised:
