@@ -333,6 +333,10 @@ def check_race_results(summary: dict, written: list[str]) -> list[str]:
             if not curve[-1][-1] < curve[0][-1]:
                 problems.append(f"{m['method']}: held-out loss did not go down "
                                 f"({curve[0][-1]:.4f} -> {curve[-1][-1]:.4f})")
+            # one host: no set spans nodes, so no way across a link was chosen
+            if seed.get("routes_chosen") != {}:
+                problems.append(f"{m['method']}: routes chosen {seed.get('routes_chosen')!r} on "
+                                "one host (expected none)")
             if seed["steps"] < 2:
                 problems.append(f"{m['method']}: {seed['steps']} steps")
             # a race shorter than two minutes has no "speed-up after the first minute"

@@ -59,6 +59,9 @@ def race_one_seed(seed: int, args, task, baseline_steps: int, snapshots_dir) -> 
                          link_interface=args.link_interface, quiet=args.quiet,
                          name=f"race.{seed}.{method}")
         stages = run.stage_seconds()
+        # the ways across the link chosen during this method's run (a wire format's first
+        # round measures its own; a choice made earlier in the job is reused, not listed again)
+        routes = hva.traffic().routes
         walls = allgather_rows((run.wall_s, run.compute_s / run.wall_s,
                                 run.communication_s / run.wall_s, *stages.values()),
                                f"race.{seed}.{method}.wall", f"{method}: every rank's wall time")
@@ -91,8 +94,10 @@ def race_one_seed(seed: int, args, task, baseline_steps: int, snapshots_dir) -> 
             "stage_shares": {stage: statistics.fmean(w[3 + i] / w[0] for w in walls)
                              for i, stage in enumerate(stages)},
             "cross_node_mb_per_rank": curve[-1][2], "target_loss": target, "budget_s": budget,
-            "curve": curve})
+            "routes_chosen": routes, "curve": curve})
         if not args.quiet:
+            for where, how in routes.items():
+                print(f"  {method}: the way across the link for {where}: {how}", flush=True)
             print(f"  {method:<12} done: {run.steps} steps, {wall:.1f} s, {task.metric} {final:.4f}"
                   f"{'' if reached is None else f', target reached at {reached:.1f} s'}", flush=True)
     return budget, results
