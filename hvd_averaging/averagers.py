@@ -3,7 +3,7 @@
 Construction is collective over all Horovod ranks (it verifies the configuration across ranks
 and may register process sets); ``average_parameters`` is called by every rank once per training
 step and averages only at the scheduled steps (:meth:`ModelAverager.level_at`). Rounds left in
-flight are :class:`~hvd_averaging.delayed.DelayedRounds`'.
+flight are :class:`~hvd_averaging.delayed_rounds.DelayedRounds`'.
 """
 
 from __future__ import annotations

@@ -3,14 +3,15 @@
 A :class:`DelayedAverage` is one round: at its start the tensors' values are copied into a
 snapshot and the snapshot's average is launched; training goes on while its stages move on
 Horovod's background thread, and at the apply step every tensor becomes
-``average(snapshot) + (tensor - snapshot)``. :class:`DelayedRounds` is what an averager keeps:
-at most one round in flight per level, when each is due, and their checkpoint form.
+``average(snapshot) + (tensor - snapshot)``. :class:`~.delayed_rounds.DelayedRounds` is what an
+averager keeps: at most one round in flight per level, when each is due, and their checkpoint
+form.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Mapping, Optional
+from typing import Callable, Optional
 
 import horovod.torch as hvd
 import torch
@@ -21,8 +22,7 @@ from .rounds import NonFiniteError, Round, begin_round
 from .traffic import count_seconds
 from .transports import InPieces
 
-__all__ = ["AverageTransform", "DelayedAverage", "start_delayed_average", "DelayedRounds",
-           "ConstructionOrder"]
+__all__ = ["AverageTransform", "DelayedAverage", "start_delayed_average", "ConstructionOrder"]
 
 # (tensors of the round, a view of each one's average) -> None; may overwrite the averages.
 AverageTransform = Callable[[list, list], None]
@@ -59,6 +59,10 @@ class DelayedAverage:
     sets every tensor to ``average(snapshot) + (tensor - snapshot)``: the average of the models
     at the start plus the local progress made since.
 
+    While the way of such rounds is being chosen (:mod:`~hvd_averaging.route_trials`), the
+    round reports what it cost the training thread at its apply step (collective over its set
+    at the last trial, where every member applies it).
+
     Memory: the snapshot and the buffer that travels (a copy of the tensors each, in their own
     dtype), plus the wire format's buffers (float16: half a copy more), kept in the averager's
     ``buffers`` for its next round.
@@ -81,13 +85,23 @@ class DelayedAverage:
         if before_send is not None:
             with torch.no_grad():
                 before_send(round_.packing.tensors, round_.packing.views_into(wires))
-        transport = round_.transport()
-        if pieces > 1 and not round_.codec.keeps_state:  # a state follows the whole buffer
+        pieces = pieces if not round_.codec.keeps_state else 1  # a state follows the whole buffer
+        transport, self._trial = round_.transport_left_in_flight(pieces)
+        if pieces > 1:
             transport = InPieces(transport, window=pieces)
-        self.nbytes = round_.count(transport, wires)
         self.started_at = time.monotonic()
-        with guarded_enqueue(self.what):
-            self._transfer = transport.start(wires, round_.op_names(), self.what)
+        launching = time.perf_counter()
+        try:
+            with guarded_enqueue(self.what):
+                self._transfer = transport.start(wires, round_.op_names(), self.what)
+        except BaseException:
+            if self._trial is not None:  # never launched: its way is tried again
+                self._trial.abandon()
+            raise
+        self.nbytes = round_.count(transport, wires)
+        # what this round costs the training thread beyond its copies: its stages' launches,
+        # its polls, its wait at the apply step (a trial of its way reports it)
+        self._training_seconds = time.perf_counter() - launching
         count_seconds("launch_s", time.perf_counter() - began)
 
     @property
@@ -102,6 +116,8 @@ class DelayedAverage:
         """Let the round complete (bounded) and drop its result: before a checkpoint is loaded
         into the averager that started it (Horovod refuses a second round of the same name
         while one is in flight)."""
+        if self._trial is not None:
+            self._trial.abandon()
         try:
             self._wait()
         except NonFiniteError:
@@ -121,7 +137,9 @@ class DelayedAverage:
         if self._transfer.ready():
             with guarded_enqueue(self.what), self._round.naming_non_finite():
                 self._transfer.advance()
-        count_seconds("poll_s", time.perf_counter() - began)
+        spent = time.perf_counter() - began
+        self._training_seconds += spent
+        count_seconds("poll_s", spent)
 
     def apply(self, transform: Optional[AverageTransform] = None) -> None:
         """Wait for the average (bounded), then ``tensor = average + (tensor - snapshot)``.
@@ -135,9 +153,21 @@ class DelayedAverage:
             NonFiniteError: float16 and a NaN/Inf on some rank at the start.
             HorovodInternalError: Horovod failed or shut down meanwhile.
         """
+        try:
+            waited = self._apply(transform)
+        except BaseException:
+            if self._trial is not None:  # not applied: its way is tried again
+                self._trial.abandon()
+            raise
+        if self._trial is not None:  # after applying: an error in agreeing tears nothing
+            self._trial.report(self._training_seconds + waited)
+
+    def _apply(self, transform: Optional[AverageTransform]) -> float:
+        """:meth:`apply`'s work; the seconds it waited for the round."""
         began = time.perf_counter()
         self._wait()
-        count_seconds("apply_wait_s", time.perf_counter() - began)
+        waited = time.perf_counter() - began
+        count_seconds("apply_wait_s", waited)
         if not self._round.packing.still_bound():
             raise RuntimeError(
                 f"{self.what}: a tensor's .data was replaced (model.to(), load_state_dict(assign="
@@ -153,6 +183,7 @@ class DelayedAverage:
                 slab.flat.copy_(average)
                 slab.flat.add_(snapshot)
                 slab.copy_out()
+        return waited
 
 
 def start_delayed_average(
@@ -204,85 +235,3 @@ def start_delayed_average(
                                 local_error=error, process_set=round_.process_set,
                                 name=f"hva.snapshot.{round_.process_set.process_set_id}.{name}")
     return DelayedAverage(round_, buffers, snapshots, before_send, pieces)
-
-
-class DelayedRounds:
-    """An averager's delayed levels: ``{period: delay}``, the round in flight per level with the
-    step it is due at, and rounds read from a checkpoint, restarted at the next call.
-
-    The averager launches rounds (it knows the tensors and sets) and hands each one to
-    :meth:`launched`; :meth:`advance` calls it back to restart a checkpoint's round.
-    """
-
-    def __init__(self, delays: Mapping[int, int], pieces: Optional[Mapping[int, int]] = None) -> None:
-        self.delays = dict(delays)
-        self.pieces = dict(pieces or {})  # per level: its rounds travel in up to this many pieces
-        self.transforms: dict[int, AverageTransform] = {}  # per level, applied before the average
-        self.before_send: dict[int, Optional[AverageTransform]] = {}  # per level, on what travels
-        self.buffers: dict[int, dict] = {}
-        self._in_flight: dict[int, tuple[int, DelayedAverage]] = {}
-        self._to_restart: dict[int, dict] = {}
-
-    def delayed(self, level: int) -> bool:
-        return bool(self.delays.get(level))
-
-    def set_transforms(self, level: int, transform: AverageTransform,
-                       before_send: Optional[AverageTransform]) -> None:
-        """What ``level``'s rounds apply to their average, and to what they send (None: as is).
-
-        Raises:
-            ValueError: ``level`` is not delayed.
-        """
-        if not self.delayed(level):
-            raise ValueError(f"level {level!r} is not delayed (delays per level "
-                             f"{self.delays}): its average is applied at its firing step")
-        self.transforms[level] = transform
-        self.before_send[level] = before_send
-
-    @property
-    def active(self) -> bool:
-        return bool(self._in_flight or self._to_restart)
-
-    def launched(self, level: int, fired_at: int, round_: Optional[DelayedAverage]) -> None:
-        if round_ is not None:
-            self._in_flight[level] = (fired_at + self.delays[level], round_)
-
-    def advance(self, step: int, restart: Callable[[int, dict], None]) -> None:
-        """Restart rounds read from a checkpoint (``restart(level, saved)``) and apply those due
-        at ``step``."""
-        for level, saved in sorted(self._to_restart.items()):
-            del self._to_restart[level]
-            restart(level, saved)
-        for level, (apply_at, round_) in sorted(self._in_flight.items()):
-            if step >= apply_at:
-                del self._in_flight[level]
-                round_.apply(self.transforms.get(level))
-
-    def keep_moving(self) -> None:
-        """Launch the next stage or piece of every round in flight whose current one finished
-        (a poll each: no waiting). The averager calls it after the step's own round, so that
-        round does not queue behind a piece launched just before it."""
-        for _, round_ in self._in_flight.values():
-            round_.progress()
-
-    def drop(self) -> None:
-        """Forget every round: their collectives died with the world they ran in."""
-        self._in_flight.clear()
-        self._to_restart.clear()
-
-    def state(self) -> dict[int, dict]:
-        """The rounds in flight as a checkpoint holds them (fired step, layout, snapshots)."""
-        saved: dict[int, Any] = {
-            level: {"fired_at": apply_at - self.delays[level], "layout": r.layout_digest,
-                    "snapshots": r.snapshots()}
-            for level, (apply_at, r) in self._in_flight.items()}
-        saved.update(self._to_restart)
-        return saved
-
-    def load(self, in_flight: Mapping) -> None:
-        """Finish the rounds in flight without applying them, then take the checkpoint's (checked
-        beforehand by :func:`hvd_averaging.checkpoint.averager_state_error` on every rank)."""
-        for _, round_ in self._in_flight.values():
-            round_.finish_without_applying()
-        self._in_flight.clear()
-        self._to_restart = {level: dict(saved) for level, saved in in_flight.items()}

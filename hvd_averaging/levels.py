@@ -13,7 +13,8 @@ import horovod.torch as hvd
 import torch
 
 from .checkpoint import averager_state_error
-from .delayed import AverageTransform, ConstructionOrder, DelayedRounds, start_delayed_average
+from .delayed import AverageTransform, ConstructionOrder, start_delayed_average
+from .delayed_rounds import DelayedRounds
 from .rounds import average_tensors
 from .wire import WireCodec
 from .world import current_world

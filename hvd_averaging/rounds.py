@@ -34,68 +34,23 @@ import torch
 
 from .agreement import check_same_on_all_ranks, config_digest
 from .deadlines import AveragingTimeoutError, bounded_collective
-from .flat_storage import Packing, pack
+from .flat_storage import Packing
 from .params import TensorsLike, check_local_layout, collect_parameters, first_non_finite
 from .process_sets import members
+from .route_trials import Trial
+from .round_book import RoundBook
 from .routes import routes
 from .traffic import count_round, count_seconds
 from .transports import Transport
-from .wire import NonFiniteOnWire, WireCodec, wire_format
+from .wire import NonFiniteOnWire, WireCodec
 from .world import current_world
 
 __all__ = ["NonFiniteError", "Round", "begin_round", "average_tensors", "average_parameters"]
-
-_MAX_PACKINGS = 8
 
 
 class NonFiniteError(ValueError):
     """A tensor to average holds NaN or Inf (raised with ``check_finite=True``, and always
     before a float16 or int8 round, where it would make the scales meaningless)."""
-
-
-class RoundBook:
-    """What rounds of one world share on this rank: packings and the layouts agreed per set."""
-
-    def __init__(self) -> None:
-        self.packings: dict[tuple, Packing] = {}  # by (name, tensor identities), at most a few
-        self.reused: dict[str, dict] = {}  # per name, for tensors copied through (gradients)
-        self.agreed_layouts: dict[tuple, tuple] = {}  # (set id, name) -> (layout digest, wire) agreed
-        self.codecs: dict = {}  # per wire format without state: shared by the calls spelling it
-
-    def codec(self, compression) -> WireCodec:
-        """The codec of a public ``compression=`` spelling, made once per world, so that the
-        transports it builds (and their wire buffers) serve every call that spells it alike.
-        (A format with state, error feedback's, gets a codec per call: an averager level keeps
-        its own.)
-
-        Raises:
-            ValueError: a bad spelling (named, with the choices).
-        """
-        wire = wire_format(compression)
-        if wire.new_state() is not None:
-            return wire.codec()
-        found = self.codecs.get(wire)
-        if found is None:
-            found = self.codecs[wire] = wire.codec()
-        return found
-
-    def cached_packing(self, tensors: list[torch.Tensor], name: str, bind: bool) -> Optional[Packing]:
-        """The packing made for exactly these tensors, if they still live in it."""
-        if not bind:
-            return None
-        packing = self.packings.get((name, tuple(id(t) for t in tensors)))  # holds them: ids stay theirs
-        return packing if packing is not None and packing.still_bound() else None
-
-    def new_packing(self, tensors: list[torch.Tensor], name: str, bind: bool) -> Packing:
-        if not bind:
-            return pack(tensors, bind=False, reuse=self.reused.setdefault(name, {}))
-        packing = pack(tensors, bind=True)
-        key = (name, tuple(id(t) for t in tensors))
-        self.packings.pop(key, None)
-        self.packings[key] = packing
-        while len(self.packings) > _MAX_PACKINGS:
-            self.packings.pop(next(iter(self.packings)))
-        return packing
 
 
 @dataclass
@@ -111,13 +66,26 @@ class Round:
     node_aware: Optional[bool]
     op_tag: str = ""  # tells apart rounds over the same tensors in flight at once
 
-    def transport(self) -> Transport:
+    def _measured_as(self) -> tuple[int, tuple]:
         nbytes = sum(slab.flat.numel() * slab.flat.element_size() for slab in self.packing.slabs)
         wire = self.codec.format
-        measured_as = (str(wire.spec()), lambda route: wire.build(route, None))  # no state
+        return nbytes, (str(wire.spec()), lambda route: wire.build(route, None))  # no state
+
+    def transport(self) -> Transport:
+        """The way this round travels (chosen for blocking rounds)."""
+        nbytes, measured_as = self._measured_as()
         return self.codec.transport(routes().route(
             self.process_set, nbytes, self.node_aware, measured_as,
             self.packing.slabs[0].flat.device))
+
+    def transport_left_in_flight(self, pieces: int) -> tuple[Transport, Optional[Trial]]:
+        """The way this round travels when left in flight (in up to ``pieces`` pieces), and
+        the trial it reports its cost to while that way is being chosen (:mod:`.route_trials`)."""
+        nbytes, measured_as = self._measured_as()
+        route, trial = routes().left_in_flight(
+            self.process_set, nbytes, self.node_aware, measured_as,
+            self.packing.slabs[0].flat.device, self.codec.keeps_state, pieces)
+        return self.codec.transport(route), trial
 
     def op_names(self) -> list[str]:
         """One stable name per dtype buffer (Horovod's response cache hits round after round)."""

@@ -7,10 +7,12 @@ plus allgather across the nodes; under Gloo such a set stays flat). Every other 
 buffer below ``NODE_AWARE_MIN_BYTES``, takes one flat allreduce. Between the two, ``HVA_ROUTE``
 decides: by default the library times both at the set's first round of each size class
 (:mod:`.route_probe`) and keeps the faster for the world; ``node-aware`` or ``flat`` fixes
-it. Every member takes the same way (the same placement, the same measured numbers), and the
-choice is reported in ``hva.traffic().routes`` and the ``hvd_averaging`` log. A :class:`Route`
-names the sets a round crosses and builds the transports in the buffers' own dtype; the wire
-formats (:mod:`hvd_averaging.wire`) wrap or replace the stage that crosses the link.
+it. Rounds left in flight (``delay``) are chosen apart, by trying each way on real rounds
+(:mod:`.route_trials`): they move one stage per training step. Every member takes the same way
+(the same placement, the same measured numbers), and the choice is reported in
+``hva.traffic().routes`` and the ``hvd_averaging`` log. A :class:`~.route.Route` names the sets
+a round crosses and builds the transports in the buffers' own dtype; the wire formats
+(:mod:`hvd_averaging.wire`) wrap or replace the stage that crosses the link.
 """
 
 from __future__ import annotations
@@ -24,11 +26,13 @@ import torch
 from .env_settings import route_policy
 from .placement import known_rank_to_node, rank_to_node
 from .process_sets import ProcessSetNotRegistered, members, register_groups
-from .startup import elastic_job
 from .route_probe import probe_seconds
+from .route_trials import RouteTrials, Trial
+from .startup import elastic_job
 from .topology import node_aware_groups
 from .traffic import record_route
-from .transports import FlatAllreduce, NodeAware, ReduceScatterAllgather, Transport
+from .route import MeasuredAs, Route, RouteChoice
+from .transports import Transport
 from .world import current_world
 
 __all__ = ["NODE_AWARE_MIN_BYTES", "Route", "NodeAwareSets", "Routes", "routes",
@@ -36,65 +40,6 @@ __all__ = ["NODE_AWARE_MIN_BYTES", "Route", "NodeAwareSets", "Routes", "routes",
 
 # Below this a round is latency-bound: four stages cost more than they save on the link.
 NODE_AWARE_MIN_BYTES = 1 << 20
-
-
-class Route(NamedTuple):
-    """Which sets a round over ``process_set`` crosses.
-
-    ``node_set``/``rail_set`` are set for node-aware rounds (``node_set`` None with one rank per
-    node, the rail then being the set itself); ``rail_allreduce`` says whether a float rail
-    crosses with one allreduce (Gloo) or reduce-scatter plus allgather (Open MPI), and
-    ``scatter_by_alltoall`` whether the node's reduce-scatter is an alltoall and a local sum
-    (Gloo) or Horovod's reduce-scatter (Open MPI).
-    """
-
-    process_set: hvd.ProcessSet
-    members: int
-    crosses_nodes: bool
-    node_aware: bool = False
-    node_set: Optional[hvd.ProcessSet] = None
-    rail_set: Optional[hvd.ProcessSet] = None
-    ranks_per_node: int = 1
-    nodes: int = 1
-    rail_allreduce: bool = False
-    scatter_by_alltoall: bool = False
-
-    @property
-    def key(self) -> tuple:
-        """Equal for routes over the same sets (ids are reused after an elastic reset: the
-        members tell such sets apart)."""
-        def ident(s: Optional[hvd.ProcessSet]) -> tuple:
-            return (None,) if s is None else (s.process_set_id, tuple(s.ranks or ()))
-        return (*ident(self.process_set), self.node_aware, *ident(self.node_set),
-                *ident(self.rail_set))
-
-    def float_transport(self) -> Transport:
-        """The route in the buffers' own dtype."""
-        if not self.node_aware:
-            return FlatAllreduce(self.process_set, self.crosses_nodes)
-        return self.node_aware_with(self.float_rail())
-
-    def float_rail(self) -> Transport:
-        if self.rail_allreduce:
-            return FlatAllreduce(self.rail_set, True)
-        return ReduceScatterAllgather(self.rail_set, self.nodes, True)
-
-    def node_aware_with(self, rail: Transport) -> NodeAware:
-        """Node-aware stages with ``rail`` crossing the link."""
-        return NodeAware(self.node_set, rail, self.ranks_per_node, whole_set=self.process_set,
-                         scatter_by_alltoall=self.scatter_by_alltoall)
-
-
-# (a wire format's name, what builds its transport along a route): what a measurement times
-MeasuredAs = tuple[str, Callable[["Route"], Transport]]
-
-
-class RouteChoice(NamedTuple):
-    """Node-aware or flat for a set and a size class, and why (``seconds``: what was measured)."""
-
-    node_aware: bool
-    why: str
-    seconds: Optional[dict] = None
 
 
 class NodeAwareSets(NamedTuple):
@@ -114,8 +59,9 @@ class Routes:
     def __init__(self) -> None:
         self._staged: dict[int, Optional[NodeAwareSets]] = {}
         self._crosses: dict[int, bool] = {}
-        # (set id, members, size class, wire format) -> choice
+        # (set id, members, size class, wire format, 0 or pieces left in flight) -> choice
         self._chosen: dict[tuple, RouteChoice] = {}
+        self._trials: dict[tuple, RouteTrials] = {}  # same keys: rounds left in flight on trial
 
     def _placement(self) -> Optional[list]:
         known = known_rank_to_node()
@@ -186,13 +132,47 @@ class Routes:
         key = _choice_key(process_set, nbytes, wire)
         found = self._chosen.get(key)
         if found is None:
-            found = self._chosen[key] = self._choose(process_set, nbytes, build, device)
-            way = "node-aware" if found.node_aware else "flat"
-            where = f"{members(process_set)}, {nbytes / 2 ** 20:.1f} MiB, {wire}"
-            record_route(where, f"{way} ({found.why})")
-            logging.getLogger("hvd_averaging").info("rounds over %s: %s (%s)", where, way,
-                                                    found.why)
+            found = self._choose(process_set, nbytes, build, device)
+            self._keep(key, found, nbytes)
         return found
+
+    def _keep(self, key: tuple, found: RouteChoice, nbytes: int) -> None:
+        """Keep a choice for the world and report it (traffic counters, log)."""
+        self._chosen[key] = found
+        _, ranks, _, wire, in_flight_pieces = key
+        way = "node-aware" if found.node_aware else "flat"
+        where = f"{list(ranks)}, {nbytes / 2 ** 20:.1f} MiB, {wire}" + (
+            "" if not in_flight_pieces else ", left in flight" if in_flight_pieces == 1
+            else f", left in flight in up to {in_flight_pieces} pieces")
+        record_route(where, f"{way} ({found.why})")
+        logging.getLogger("hvd_averaging").info("rounds over %s: %s (%s)", where, way, found.why)
+
+    def left_in_flight(self, process_set: hvd.ProcessSet, nbytes: int,
+                       node_aware: Optional[bool], measured_as: MeasuredAs,
+                       device: Optional[torch.device], keeps_state: bool,
+                       pieces: int = 1) -> tuple[Route, Optional[Trial]]:
+        """The route of a round left in flight (``delay`` in the averagers; travelling in up
+        to ``pieces`` pieces) and, while its way is being tried (:mod:`.route_trials`, under
+        ``HVA_ROUTE=measure``; whole rounds and rounds in pieces apart), the trial it reports
+        its cost to at its apply step. A wire format that keeps state between rounds (int8's
+        error feedback, kept per route) is not tried: it takes the blocking rounds' choice
+        (:meth:`choice`). Collective over the set as :meth:`route` is."""
+        if process_set.process_set_id == hvd.global_process_set.process_set_id:
+            self.prepare(process_set)
+        if keeps_state or node_aware is not None or route_policy() != "measure" \
+                or self.node_aware_sets(process_set) is None or nbytes < NODE_AWARE_MIN_BYTES:
+            return self.route(process_set, nbytes, node_aware, measured_as, device), None
+        key = _choice_key(process_set, nbytes, measured_as[0], in_flight_pieces=pieces)
+        found = self._chosen.get(key)
+        if found is not None:
+            return self._route(process_set, found.node_aware), None
+        trials = self._trials.get(key)
+        if trials is None:
+            trials = self._trials[key] = RouteTrials(
+                process_set, f"{nbytes.bit_length()}.{measured_as[0]}.{pieces}",
+                lambda choice: self._keep(key, choice, nbytes))
+        trial = trials.next_trial()
+        return self._route(process_set, trial.node_aware), trial
 
     def _choose(self, process_set: hvd.ProcessSet, nbytes: int,
                 build: Callable[[Route], Transport], device: Optional[torch.device]) -> "RouteChoice":
@@ -205,10 +185,18 @@ class Routes:
         why = f"measured: node-aware {seconds['node-aware']:.4f} s, flat {seconds['flat']:.4f} s"
         return RouteChoice(seconds["node-aware"] < seconds["flat"], why, seconds)
 
-    def decided(self, process_set: hvd.ProcessSet, nbytes: int,
-                wire: str = "none") -> Optional["RouteChoice"]:
-        """The choice made for rounds of about ``nbytes`` in ``wire`` over the set, if any."""
-        return self._chosen.get(_choice_key(process_set, nbytes, wire))
+    def trials_of(self, process_set: hvd.ProcessSet, nbytes: int, wire: str = "none",
+                  in_flight_pieces: int = 1) -> Optional[RouteTrials]:
+        """The trials of rounds left in flight of about ``nbytes`` in ``wire`` over the set,
+        travelling in up to ``in_flight_pieces`` pieces (the ways handed out, this member's
+        costs), if any were made."""
+        return self._trials.get(_choice_key(process_set, nbytes, wire, in_flight_pieces))
+
+    def decided(self, process_set: hvd.ProcessSet, nbytes: int, wire: str = "none",
+                in_flight_pieces: int = 0) -> Optional["RouteChoice"]:
+        """The choice made for rounds of about ``nbytes`` in ``wire`` over the set (0: blocking
+        rounds; k >= 1: rounds left in flight in up to k pieces), if any."""
+        return self._chosen.get(_choice_key(process_set, nbytes, wire, in_flight_pieces))
 
     def crosses_nodes(self, process_set: hvd.ProcessSet) -> bool:
         """Whether the set's members sit on several nodes (False while the placement is unknown)."""
@@ -248,9 +236,12 @@ class Routes:
                      nodes=staged.nodes, rail_allreduce=gloo, scatter_by_alltoall=gloo)
 
 
-def _choice_key(process_set: hvd.ProcessSet, nbytes: int, wire: str) -> tuple:
-    """Set id and members (ids are reused after an elastic reset), size class, wire format."""
-    return (process_set.process_set_id, tuple(members(process_set)), nbytes.bit_length(), wire)
+def _choice_key(process_set: hvd.ProcessSet, nbytes: int, wire: str,
+                in_flight_pieces: int = 0) -> tuple:
+    """Set id and members (ids are reused after an elastic reset), size class, wire format,
+    and how the rounds run (0: blocking; k >= 1: left in flight in up to k pieces)."""
+    return (process_set.process_set_id, tuple(members(process_set)), nbytes.bit_length(), wire,
+            in_flight_pieces)
 
 
 def routes() -> Routes:
@@ -268,17 +259,18 @@ def prepare_process_set(process_set: hvd.ProcessSet) -> None:
 
 
 def averaging_route(process_set: Optional[hvd.ProcessSet] = None, nbytes: int = 1 << 30,
-                    wire: str = "none") -> str:
+                    wire: str = "none", in_flight_pieces: int = 0) -> str:
     """How a buffer of ``nbytes`` in the wire format ``wire`` (``str(format.spec())``) travels
-    over ``process_set`` (local; call after the set was prepared or averaged over once):
-    ``"flat"`` (it cannot go node-aware, or chose not to), ``"node-aware"``, or ``"to be
-    measured"`` (it can go node-aware and no such round has been timed yet under
-    ``HVA_ROUTE=measure``)."""
+    over ``process_set``: in blocking rounds (``in_flight_pieces`` 0), or in rounds left in
+    flight (``delay`` in the averagers; a format without state) in up to ``in_flight_pieces``
+    pieces (1: whole) (local; call after the set was prepared or averaged over once): ``"flat"`` (it cannot go node-aware, or chose not to),
+    ``"node-aware"``, or ``"to be measured"`` (it can go node-aware and, under
+    ``HVA_ROUTE=measure``, no such round has been timed, or tried on each way, yet)."""
     process_set = process_set if process_set is not None else hvd.global_process_set
     table = routes()
     if table.node_aware_sets(process_set) is None or nbytes < NODE_AWARE_MIN_BYTES:
         return "flat"
-    found = table.decided(process_set, nbytes, wire)
+    found = table.decided(process_set, nbytes, wire, in_flight_pieces)
     if found is None and route_policy() == "measure":
         return "to be measured"
     node_aware = found.node_aware if found is not None else route_policy() == "node-aware"

@@ -216,6 +216,52 @@ def test_in_pieces_gives_the_whole_round_average_one_piece_per_stage(world, rank
         InPieces(way, window=0)
 
 
+@pytest.mark.parametrize("kind", ["periodic", "hierarchical"])
+def test_rounds_left_in_flight_try_each_way_then_keep_the_cheaper(world, rank, kind):
+    """A delayed averager's rounds choose their way apart from blocking rounds (whole rounds
+    and rounds in pieces apart): the first four try flat, node-aware, flat, node-aware, each
+    reports what it cost the training thread at its apply step, and at the fourth the ranks
+    agree (the slowest rank's best round per way) and keep the cheaper way; the rounds after
+    it take that way, on trial no more. Every periodic round's average is the exact mean's,
+    whichever way it took (the hierarchical ones: test_delay.py's reference)."""
+    params = random_params(rank, seed=3 if kind == "periodic" else 4)
+    if kind == "periodic":
+        averager, pieces = hva.PeriodicModelAverager(period=4, delay=2), 1
+    else:  # the top level above pairs travels in up to 2 pieces
+        averager = hva.HierarchicalModelAverager({2: max(1, world // 2), 4: world},
+                                                 delay={4: 2})
+        pieces = 2
+    nbytes = NUMEL * 4 + 35 * 8
+    for step in range(24):
+        before = params[0].detach().clone()
+        averager.average_parameters(params)
+        if step % 4 == 2 and kind == "periodic":  # applied: nothing moved since its launch
+            exact, mean_abs = exact_mean(launched)
+            error = (params[0].detach().double() - exact).abs()
+            assert bool((error <= (world + 2) * U32 * mean_abs).all()), (step, error.max())
+        if step % 4 == 0:
+            launched = before
+        if step < 14:  # the fourth round is applied at step 14
+            assert averaging_route(hvd.global_process_set, nbytes, in_flight_pieces=pieces) in \
+                ("to be measured", "flat"), step
+        time.sleep(0.01)  # a step of training
+    way = averaging_route(hvd.global_process_set, nbytes, in_flight_pieces=pieces)
+    assert hvd.allgather_object(way) == [way] * world
+    chosen = routes().decided(hvd.global_process_set, nbytes, in_flight_pieces=pieces)
+    trials = routes().trials_of(hvd.global_process_set, nbytes, in_flight_pieces=pieces)
+    if expected_route(world) == "flat":  # one host, or one rank per node under Gloo
+        assert way == "flat" and chosen is None and trials is None
+        return
+    assert trials.handed == ["flat", "node-aware"] * 2  # none after the choice
+    assert all(len(c) == 2 and min(c) > 0 for c in trials.costs.values()), trials.costs
+    every = hvd.allgather_object(trials.costs)
+    agreed = {w: max(min(costs[w]) for costs in every) for w in ("flat", "node-aware")}
+    assert hvd.allgather_object(chosen) == [chosen] * world
+    assert chosen.seconds == pytest.approx(agreed, rel=1e-12), (chosen, every)
+    assert chosen.why.startswith("tried as it runs, 2 rounds each"), chosen.why
+    assert way == ("node-aware" if agreed["node-aware"] < agreed["flat"] else "flat")
+
+
 @pytest.mark.parametrize("node_aware", [False, True])
 def test_fp16_wire_within_bound_and_no_inf(world, rank, node_aware):
     # magnitudes far beyond float16 (65504) next to small ones: scaled, never inf

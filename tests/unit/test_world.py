@@ -12,7 +12,7 @@ CHILD = """
 import torch, horovod.torch as hvd, hvd_averaging as hva
 from hvd_averaging.world import WorldFollower, current_world, renew_world
 from hvd_averaging.process_sets import ProcessSetRegistry
-from hvd_averaging.rounds import RoundBook
+from hvd_averaging.round_book import RoundBook
 from hvd_averaging.routes import Routes
 
 hva.init()
