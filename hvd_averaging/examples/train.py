@@ -117,9 +117,10 @@ def parse_args(argv=None) -> RaceSettings:
     parser.add_argument("--period", type=int, default=16, help="local SGD's averaging period")
     parser.add_argument("--delay", type=int, default=8,
                         help="the overlapped local and hierarchical SGD's overlap (steps)")
-    parser.add_argument("--node-delay", type=int, default=0,
+    parser.add_argument("--node-delay", type=int, default=1,
                         help="the overlapped hierarchical methods' lower levels (inside a node) "
-                             "overlap this many steps too (0: blocking)")
+                             "overlap this many steps too (0: blocking; default 1, measured "
+                             "in docs/demo.md)")
     parser.add_argument("--hierarchy", type=parse_hierarchy, default=None,
                         help="hierarchical SGD's period:size pairs (default 2:2,16:WORLD)")
     parser.add_argument("--outer-period", type=int, default=16, help="DiLoCo's H")
