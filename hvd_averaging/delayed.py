@@ -11,7 +11,8 @@ form.
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional
 
 import horovod.torch as hvd
 import torch
@@ -91,18 +92,24 @@ class DelayedAverage:
             transport = InPieces(transport, window=pieces)
         self.started_at = time.monotonic()
         launching = time.perf_counter()
-        try:
-            with guarded_enqueue(self.what):
-                self._transfer = transport.start(wires, round_.op_names(), self.what)
-        except BaseException:
-            if self._trial is not None:  # never launched: its way is tried again
-                self._trial.abandon()
-            raise
+        with self._trial_abandoned_on_error(), guarded_enqueue(self.what):
+            self._transfer = transport.start(wires, round_.op_names(), self.what)
         self.nbytes = round_.count(transport, wires)
         # what this round costs the training thread beyond its copies: its stages' launches,
         # its polls, its wait at the apply step (a trial of its way reports it)
         self._training_seconds = time.perf_counter() - launching
         count_seconds("launch_s", time.perf_counter() - began)
+
+    @contextmanager
+    def _trial_abandoned_on_error(self) -> Iterator[None]:
+        """A round on trial that is never launched or applied gives its way back to be tried
+        again."""
+        try:
+            yield
+        except BaseException:
+            if self._trial is not None:
+                self._trial.abandon()
+            raise
 
     @property
     def layout_digest(self) -> int:
@@ -153,12 +160,8 @@ class DelayedAverage:
             NonFiniteError: float16 and a NaN/Inf on some rank at the start.
             HorovodInternalError: Horovod failed or shut down meanwhile.
         """
-        try:
+        with self._trial_abandoned_on_error():
             waited = self._apply(transform)
-        except BaseException:
-            if self._trial is not None:  # not applied: its way is tried again
-                self._trial.abandon()
-            raise
         if self._trial is not None:  # after applying: an error in agreeing tears nothing
             self._trial.report(self._training_seconds + waited)
 
