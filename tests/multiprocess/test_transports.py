@@ -4,6 +4,7 @@ average of all ranks' values, gathered from the other ranks."""
 import os
 import socket
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import horovod.torch as hvd
@@ -78,12 +79,36 @@ def stages_on_this_run(world) -> bool:
 STAGES_NEED_4_RANKS = "node-aware stages need at least 2 nodes of 2 ranks: runs on 4 ranks"
 
 
-def link_sent_bytes() -> int:
-    """Bytes this node has sent on its link to the other nodes, as the kernel counts them
-    (``eth0`` of the node's network namespace, which every rank of the node shares)."""
-    sent = interface_tx_bytes("eth0")
-    assert sent is not None, "no eth0 in this rank's network namespace: not on an emulated node"
-    return sent
+@dataclass(frozen=True)
+class LinkCount:
+    """What this node has sent on its link to the other nodes, as the kernel counts it: bytes
+    on ``eth0`` of the node's network namespace (which every rank of the node shares) and TCP
+    segments sent again (the link's ``tbf`` drops what overflows its queue; TCP resends it)."""
+    sent: int
+    resent_segments: int
+
+    @classmethod
+    def now(cls) -> "LinkCount":
+        sent = interface_tx_bytes("eth0")
+        assert sent is not None, "no eth0 in this rank's network namespace: not on an emulated node"
+        tcp = [line.split() for line in Path("/proc/self/net/snmp").read_text().splitlines()
+               if line.startswith("Tcp:")]
+        resent = int(dict(zip(tcp[0], tcp[1]))["RetransSegs"])
+        return cls(sent, resent)
+
+    def since(self, earlier: "LinkCount") -> "LinkCount":
+        return LinkCount(self.sent - earlier.sent, self.resent_segments - earlier.resent_segments)
+
+    def sent_once(self) -> int:
+        """At most the bytes sent for the first time: every resent segment taken as a full frame."""
+        return max(0, self.sent - 1514 * self.resent_segments)
+
+    def slack(self) -> float:
+        """What the link carries beyond the payload: Ethernet/IP/TCP headers and the ACKs for
+        what the node receives (under 2% measured, with segmentation offload; 10% allowed), a
+        fixed allowance for Horovod's coordination with rank 0 each cycle and the barriers around
+        the measurement, and every resent segment as a full frame (1514 bytes)."""
+        return 0.10 * self.sent + 128 * 1024 + 1514 * self.resent_segments
 
 
 def test_route_follows_the_placement_and_counts_what_crosses(world, rank):
@@ -104,12 +129,12 @@ def test_route_follows_the_placement_and_counts_what_crosses(world, rank):
     assert averaging_route(hvd.global_process_set, 1000) == "flat"
     model_bytes = NUMEL * 4 + 35 * 8
     hvd.barrier()
-    sent_before = link_sent_bytes() if NODES > 1 else 0
+    link_before = LinkCount.now() if NODES > 1 else None
     hva.reset_traffic()
     hva.average_parameters(params)
     counters = hva.traffic()
     hvd.barrier()
-    sent = link_sent_bytes() - sent_before if NODES > 1 else 0
+    link = LinkCount.now().since(link_before) if NODES > 1 else None
     assert counters.bytes == model_bytes and counters.global_allreduces == 1
     if NODES == 1:
         assert counters.cross_node_bytes == 0
@@ -117,11 +142,12 @@ def test_route_follows_the_placement_and_counts_what_crosses(world, rank):
     hosts = hvd.allgather_object(socket.gethostname())
     counted = hvd.allgather_object(counters.cross_node_bytes)
     counted_here = sum(c for c, h in zip(counted, hosts) if h == socket.gethostname())
+    sent = link.sent
     # Measured on the link: the counters never report less than crossed (TCP/IP headers and
     # Horovod's own coordination add a few percent), and a node-aware round sends one model
     # per node across (each node holds its reduced share, sent once and gathered once), where a
     # flat ring over 2 nodes x 2 ranks sends 1.5 models.
-    slack = 0.08 * sent + 128 * 1024
+    slack = link.slack()
     assert sent <= counted_here + slack, (sent, counted_here)
     if route == "node-aware":
         assert 0.95 * model_bytes <= sent <= model_bytes + slack, (sent, model_bytes)
