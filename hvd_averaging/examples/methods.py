@@ -22,6 +22,7 @@ import torch
 
 import hvd_averaging as hva
 from hvd_averaging.examples.race import Trainer
+from hvd_averaging.examples.settings import default_node_period
 
 __all__ = ["METHODS", "DEFAULT_METHODS", "build_trainer", "label", "check_race_args",
            "parse_hierarchy", "parse_methods"]
@@ -68,9 +69,10 @@ def check_race_args(args: argparse.Namespace) -> None:
     if not 0 < args.delay < args.period:
         raise ValueError(f"--delay {args.delay}: the overlapped methods' overlap must be shorter "
                          f"than their period ({args.period}); use 1..{args.period - 1}")
-    # the shortest period below a top level (2: a hierarchy left to its default)
-    shortest = min(min(sorted(h)[:-1], default=2) if h else 2
-                   for h in (args.hierarchy, args.outer_hierarchy))
+    # the shortest period below a top level (a hierarchy left to its default: its node period)
+    shortest = min(min(sorted(h)[:-1], default=2) if h else default_node_period(top)
+                   for h, top in ((args.hierarchy, args.period),
+                                  (args.outer_hierarchy, args.outer_period)))
     if not 0 <= args.node_delay < shortest:
         raise ValueError(f"--node-delay {args.node_delay}: the lower levels' overlap must be "
                          f"shorter than their shortest period ({shortest}); use 0..{shortest - 1}")

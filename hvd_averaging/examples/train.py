@@ -122,10 +122,12 @@ def parse_args(argv=None) -> RaceSettings:
                              "overlap this many steps too (0: blocking; default 1, measured "
                              "in docs/demo.md)")
     parser.add_argument("--hierarchy", type=parse_hierarchy, default=None,
-                        help="hierarchical SGD's period:size pairs (default 2:2,16:WORLD)")
+                        help="hierarchical SGD's period:size pairs (default 4:2,16:WORLD: node "
+                             "rounds every 4 steps where 4 divides --period, else 2)")
     parser.add_argument("--outer-period", type=int, default=16, help="DiLoCo's H")
     parser.add_argument("--outer-hierarchy", type=parse_hierarchy, default=None,
-                        help="hierarchical DiLoCo's period:size pairs (default 2:2,H:WORLD)")
+                        help="hierarchical DiLoCo's period:size pairs (default 4:2,H:WORLD, "
+                             "as --hierarchy)")
     parser.add_argument("--outer-delay", type=int, default=8,
                         help="inner steps the outer round overlaps (0: synchronous DiLoCo)")
     parser.add_argument("--outer-lr", type=float, default=0.5,

@@ -111,7 +111,7 @@ def test_outer_momentum_warmup_is_named_and_dropped_without_momentum():
 def test_node_delay_overlaps_the_lower_levels_of_the_overlapped_hierarchies_only():
     from hvd_averaging.examples.methods import _level_delays, label
     args = _args("--node-delay", "1").for_world(0.01, 4)
-    assert _level_delays(args.hierarchy, args.node_delay, args.delay) == {2: 1, 16: 8}
+    assert _level_delays(args.hierarchy, args.node_delay, args.delay) == {4: 1, 16: 8}
     assert _level_delays({2: 2, 4: 4, 16: 8}, 1, 8) == {2: 1, 4: 1, 16: 8}
     assert label("hierarchical-overlap", args).endswith("(overlap 8, node overlap 1)")
     assert "node overlap 1" in label("hierdiloco", args)
@@ -133,8 +133,9 @@ def test_node_delay_overlaps_the_lower_levels_of_the_overlapped_hierarchies_only
     (["--outer-momentum", "1.0"], ["--outer-momentum 1.0", "[0, 1)"]),
     (["--outer-momentum-warmup", "-1"], ["--outer-momentum-warmup -1", ">= 0"]),
     (["--lr", "0"], ["--lr 0.0", "positive"]),
-    (["--node-delay", "2"], ["--node-delay 2", "0..1"]),
-    (["--node-delay", "-1"], ["--node-delay -1", "shortest period (2)"]),
+    (["--node-delay", "4"], ["--node-delay 4", "0..3"]),
+    (["--node-delay", "2", "--hierarchy", "2:2,16:4"], ["--node-delay 2", "0..1"]),
+    (["--node-delay", "-1"], ["--node-delay -1", "shortest period (4)"]),
     (["--node-delay", "4", "--hierarchy", "4:2,16:4", "--outer-hierarchy", "8:2,16:4"],
      ["--node-delay 4", "0..3"]),
 ])
@@ -153,6 +154,11 @@ def test_settings_are_resolved_once_and_frozen():
     assert world.lr == 0.006 and world.hierarchy == {2: 2, 4: 4} and world.local_group_size == 2
     assert _args("--lr", "0.1").for_world(0.006, 1).lr == 0.1
     assert _args().for_world(0.006, 1).local_group_size == 1
+    # node rounds every 4 steps under a top period of 16 (docs/demo.md's A/B), 2 where 4 cannot be
+    default = _args().for_world(0.006, 4)
+    assert default.hierarchy == {4: 2, 16: 4} and default.outer_hierarchy == {4: 2, 16: 4}
+    assert _args("--period", "10").for_world(0.006, 4).hierarchy == {2: 2, 10: 4}
+    assert _args("--node-delay", "3").node_delay == 3  # below the default node period of 4
     with pytest.raises(dataclasses.FrozenInstanceError):
         world.lr = 1.0
     assert world.as_json()["hierarchy"] == {"2": 2, "4": 4} and "out" not in world.as_json()
