@@ -12,6 +12,7 @@ so the process ends non-zero. The runner judges from the records: the times, the
 checkpoints load and hold the values recorded.
 """
 import argparse
+import json
 import os
 import time
 from pathlib import Path
@@ -47,7 +48,26 @@ optimizer = hva.PostLocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.0
                                       hva.PeriodicModelAverager(period=args.period))
 print(f"cluster_train: rank {rank} of {hvd.size()} on {os.uname().nodename}, "
       f"timeout {hva.timeout():g} s", flush=True)
-PEER_WAIT_S = 4.0
+
+
+def peer_accounted(peer: int) -> bool:
+    """The node peer saved its checkpoint, or the watchdog ended it (its record names the pid)."""
+    folder = Path(args.checkpoint_dir)
+    if (folder / f"rank{peer}.pt").exists():
+        return True
+    try:
+        pid = json.loads((folder / f"rank{peer}.json").read_text())["pid"]
+    except (OSError, ValueError, KeyError):
+        return False
+    return (folder / f"watchdog-{pid}.json").exists()
+
+
+# A peer blocked inside Horovod where the library's timeout cannot act is ended by the watchdog
+# a grace after the timeout (a quarter of it, at least 2 s): wait that long and a little more,
+# well within the time a rank has to exit after its own timeout (half the timeout). Seen under
+# SLURM with a 4 s wait: a rank exited before its node peer's watchdog (5 s grace) acted, and
+# SLURM killed the peer (SIGKILL, no record).
+PEER_WAIT_S = max(4.0, max(2.0, hva.timeout() / 4) + 1.5)
 step = 0
 try:
     for step in range(args.steps):
@@ -76,11 +96,10 @@ except (hva.AveragingTimeoutError, HorovodInternalError) as error:
     # Under Gloo, a rank that exits closes its sockets, and a peer whose timed-out round is
     # still pending in Horovod's background thread aborts on that (gloo::IoException), maybe
     # before it saved: seen in make test, once with a fixed 2 s wait. Behind a cut link only
-    # the node's own ranks can close a socket on it, so each rank waits (bounded, within the
-    # watchdog's 5 s) until the ranks of its node have saved too.
+    # the node's own ranks can close a socket on it, so each rank waits (bounded: PEER_WAIT_S)
+    # until each rank of its node has saved too or been ended by the watchdog.
     deadline = time.monotonic() + PEER_WAIT_S
-    while time.monotonic() < deadline and not all(
-            (Path(args.checkpoint_dir) / f"rank{peer}.pt").exists() for peer in node_peers):
+    while time.monotonic() < deadline and not all(peer_accounted(p) for p in node_peers):
         time.sleep(0.05)
     record.update(exit="raised")
     raise
