@@ -36,6 +36,7 @@ __all__ = [
     "guarded_enqueue",
     "blocking_call",
     "check_environment",
+    "watchdog_grace",
 ]
 
 DEFAULT_TIMEOUT_SECONDS = 45.0
@@ -73,7 +74,9 @@ def _exit_now() -> None:
     os._exit(EXIT_CODE_AFTER_TIMEOUT)
 
 
-def _stuck_grace(limit: float) -> float:
+def watchdog_grace(limit: float) -> float:
+    """Seconds past a collective's ``limit`` before the watchdog ends a process blocked inside
+    Horovod, where the library's own timeout cannot act: a quarter of the limit, at least 2 s."""
     return max(2.0, limit / 4)
 
 
@@ -127,7 +130,7 @@ class Deadlines:
     @contextmanager
     def guarded_enqueue(self, what: str) -> Iterator[None]:
         limit = self.timeout()
-        stuck_after = limit + _stuck_grace(limit)
+        stuck_after = limit + watchdog_grace(limit)
         self.watchdog.arm(stuck_after, _stuck_message(what, stuck_after, limit))
         try:
             yield
@@ -139,7 +142,7 @@ class Deadlines:
                            started_at: Optional[float] = None) -> Iterator[CollectiveRound]:
         limit = self.timeout()
         remaining = limit if started_at is None else max(0.0, started_at + limit - time.monotonic())
-        stuck_after = remaining + _stuck_grace(limit)
+        stuck_after = remaining + watchdog_grace(limit)
         self.watchdog.arm(stuck_after, _stuck_message(what, stuck_after, limit))
         try:
             yield CollectiveRound(what, limit, nbytes, started_at)

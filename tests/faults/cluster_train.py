@@ -22,6 +22,7 @@ import torch
 from horovod.common.exceptions import HorovodInternalError
 
 import hvd_averaging as hva
+from hvd_averaging.deadlines import watchdog_grace
 from hvd_averaging.gather_text import allgather_text
 from rank_record import RankRecord
 
@@ -63,11 +64,11 @@ def peer_accounted(peer: int) -> bool:
 
 
 # A peer blocked inside Horovod where the library's timeout cannot act is ended by the watchdog
-# a grace after the timeout (a quarter of it, at least 2 s): wait that long and a little more,
-# well within the time a rank has to exit after its own timeout (half the timeout). Seen under
-# SLURM with a 4 s wait: a rank exited before its node peer's watchdog (5 s grace) acted, and
-# SLURM killed the peer (SIGKILL, no record).
-PEER_WAIT_S = max(4.0, max(2.0, hva.timeout() / 4) + 1.5)
+# a grace after the timeout: wait that long and a little more, well within the time a rank has
+# to exit after its own timeout (half the timeout). Seen under SLURM with a 4 s wait: a rank
+# exited before its node peer's watchdog (5 s grace) acted, and SLURM killed the peer (SIGKILL,
+# no record).
+PEER_WAIT_S = max(4.0, watchdog_grace(hva.timeout()) + 1.5)
 step = 0
 try:
     for step in range(args.steps):
