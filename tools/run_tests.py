@@ -360,10 +360,16 @@ def check_race_results(summary: dict, written: list[str]) -> list[str]:
     if baseline["curve"][-1][-1] != summary["target_loss"]:
         problems.append(f"target {summary['target_loss']} is not the baseline's final "
                         f"{baseline['curve'][-1][-1]}")
-    first = next(p[0] for p in baseline["curve"] if p[-1] <= summary["target_loss"])
-    if baseline["time_to_target_s"] != first:
+    # its time to target: where its curve first crosses the target, between two points
+    target, curve = summary["target_loss"], baseline["curve"]
+    at = next(i for i, p in enumerate(curve) if p[-1] <= target)
+    crossed = curve[at][0] if at == 0 else curve[at - 1][0] + (
+        curve[at][0] - curve[at - 1][0]) * (curve[at - 1][-1] - target) / (
+        curve[at - 1][-1] - curve[at][-1])
+    if not math.isclose(baseline["time_to_target_s"], crossed, rel_tol=1e-9) \
+            or not curve[max(at - 1, 0)][0] <= crossed <= curve[at][0]:
         problems.append(f"baseline's time to target {baseline['time_to_target_s']}, its curve "
-                        f"says {first}")
+                        f"says {crossed}")
     if sum(name.endswith(".png") for name in written) != 2 or "results.md" not in written:
         problems.append(f"written: {written}")
     return problems

@@ -43,12 +43,21 @@ def test_charlm_model_predicts_every_position():
     assert task.loss(model, x, y).item() > 3  # about ln(128) = 4.85 untrained
 
 
-def test_time_to_reach_uses_the_first_point_at_the_target():
-    curve = [(0.0, 0, 0.0, 4.0), (1.5, 3, 1.0, 2.6), (3.0, 6, 2.0, 2.4), (4.0, 7, 3.0, 2.45)]
-    assert time_to_reach(curve, 2.5) == 3.0
-    assert time_to_reach(curve, 2.4) == 3.0  # at the target counts
+def test_time_to_reach_interpolates_between_the_points_around_the_first_crossing():
+    curve = [(0.0, 0, 0.0, 4.0), (1.5, 3, 1.0, 2.6), (3.0, 6, 2.0, 2.4), (4.0, 7, 3.0, 2.45),
+             (5.0, 8, 4.0, 2.3)]
+    # 2.5 is halfway from 2.6 (at 1.5 s) to 2.4 (at 3.0 s)
+    assert time_to_reach(curve, 2.5) == pytest.approx(2.25)
+    assert time_to_reach(curve, 2.6) == 1.5  # a point at the target is its own time
+    assert time_to_reach(curve, 2.4) == pytest.approx(3.0)
+    # the first crossing counts, not a later one after the curve went back up
+    assert time_to_reach(curve, 2.42) == pytest.approx(1.5 + 1.5 * 0.18 / 0.2)
+    assert time_to_reach(curve, 2.35) == pytest.approx(4.0 + 0.1 / 0.15)  # 2.45 -> 2.3
     assert time_to_reach(curve, 2.0) is None
-    assert time_to_reach([(0.0, 0, None, 0.5), (2.0, 1, None, 0.9)], 0.8, lower_is_better=False) == 2.0
+    assert time_to_reach(curve, 4.5) == 0.0  # the start already reaches it
+    # higher is better: 0.8 is three quarters of the way from 0.5 to 0.9
+    assert time_to_reach([(0.0, 0, None, 0.5), (2.0, 1, None, 0.9)], 0.8,
+                         lower_is_better=False) == pytest.approx(1.5)
 
 
 def test_grid_covers_zero_to_the_budget():
@@ -268,10 +277,12 @@ def test_the_speed_up_a_user_would_have_seen_after_the_first_minute():
                 (90.0, 30, None, 2.2), (120.0, 40, None, 2.0)]
     method = [(0.0, 0, None, 4.0), (15.0, 20, None, 2.6), (20.0, 30, None, 2.5),
               (40.0, 60, None, 2.1), (60.0, 90, None, 1.9)]
-    # at 60 s the baseline is at 2.5, reached at 20 s: 3x; at 120 s at 2.0, reached at 60 s: 2x
-    assert speedup_at(baseline, method, 60.0) == 3.0
-    assert speedup_at(baseline, method, 120.0) == 2.0
-    assert speedup_at(baseline, method, 61.0) == 90.0 / 40.0  # the next baseline point: 2.2
+    # at 60 s the baseline is at 2.5, reached at 20 s: 3x; at 120 s at 2.0, reached halfway
+    # from 2.1 (40 s) to 1.9 (60 s): 50 s, 2.4x
+    assert speedup_at(baseline, method, 60.0) == pytest.approx(3.0)
+    assert speedup_at(baseline, method, 120.0) == pytest.approx(2.4)
+    # the next baseline point: 2.2 at 90 s, reached 3/4 of the way from 2.5 (20 s) to 2.1 (40 s)
+    assert speedup_at(baseline, method, 61.0) == pytest.approx(90.0 / 35.0)
     assert speedup_at(baseline, method, 121.0) is None  # the baseline never got there
     assert speedup_at(baseline, method[:3], 120.0) is None  # never reached 2.0
     seeds = [dict(final_loss=1.9, steps=90, wall_s=120.0, time_to_target_s=60.0,
