@@ -319,7 +319,7 @@ def check_race_results(summary: dict, written: list[str]) -> list[str]:
     top = ("target_loss", "budget_s", "regime", "speedup_ceiling", "methods")
     fields = ("method", "label", "final_loss", "steps", "wall_s", "time_to_target_s",
               "speedup_vs_baseline", "fraction_of_ceiling", "compute_utilization",
-              "cross_node_mb_per_rank", "speedup_at_60s", "seeds")
+              "compute_step_s", "cross_node_mb_per_rank", "speedup_at_60s", "seeds")
     problems += [f"results.json lacks {k!r}" for k in top if k not in summary]
     methods = summary.get("methods", [])
     problems += [f"{m.get('method')} lacks {k!r}" for m in methods for k in fields if k not in m]
@@ -339,6 +339,10 @@ def check_race_results(summary: dict, written: list[str]) -> list[str]:
                                 "one host (expected none)")
             if seed["steps"] < 2:
                 problems.append(f"{m['method']}: {seed['steps']} steps")
+            # compute per step: positive, and no more of it than the wall time holds
+            if not 0 < seed["compute_step_s"] * seed["steps"] <= seed["wall_s"]:
+                problems.append(f"{m['method']}: {seed['compute_step_s']} s of compute per step "
+                                f"over {seed['steps']} steps in {seed['wall_s']:.1f} s")
             # a race shorter than two minutes has no "speed-up after the first minute"
             if seed["budget_s"] < 120 and seed["speedup_at_60s"] is not None:
                 problems.append(f"{m['method']}: speedup_at_60s {seed['speedup_at_60s']} in a "

@@ -38,7 +38,7 @@ def summarize(method: str, label: str, seeds: list[dict],
         speedup = seed.get("speedup_vs_baseline")
         seed["fraction_of_ceiling"] = None if speedup is None or not ceiling else speedup / ceiling
     keys = ("final_loss", "steps", "wall_s", "time_to_target_s", "speedup_vs_baseline",
-            "fraction_of_ceiling", "compute_utilization", "communication_share",
+            "fraction_of_ceiling", "compute_utilization", "compute_step_s", "communication_share",
             "cross_node_mb_per_rank", "speedup_at_60s")
     out = {"method": method, "label": label}
     for key in keys:
@@ -61,11 +61,16 @@ def _fmt(value: Optional[float], spec: str, spread: Optional[list] = None, unit:
     return text
 
 
+def _ms(spread: Optional[list]) -> Optional[list]:
+    return [v * 1e3 for v in spread] if spread else None
+
+
 def table(methods: list[dict], metric: str) -> str:
     """Markdown: one row per method (mean over seeds, min-max in brackets with several)."""
     rows = [f"| method | {metric} at the budget | steps | wall s | time to target | speed-up "
-            "| of the ceiling | compute utilization | communication share | MB/rank across the link |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+            "| of the ceiling | compute utilization | compute ms/step | communication share "
+            "| MB/rank across the link |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for m in methods:
         ttt = _fmt(m["time_to_target_s"], ".1f", m["time_to_target_s_spread"], " s")
         speedup = _fmt(m["speedup_vs_baseline"], ".2f", m["speedup_vs_baseline_spread"], "x")
@@ -73,11 +78,13 @@ def table(methods: list[dict], metric: str) -> str:
         reached = sum(s["time_to_target_s"] is not None for s in m["seeds"])
         if 0 < reached < len(m["seeds"]):
             ttt, speedup, of_ceiling = f"reached in {m['reached_in']} seeds", "-", "-"
-        mb, share = m["cross_node_mb_per_rank"], m["communication_share"]
+        mb, share, step = m["cross_node_mb_per_rank"], m["communication_share"], m["compute_step_s"]
         rows.append(
             f"| {m['label']} | {_fmt(m['final_loss'], '.4f', m['final_loss_spread'])} | "
             f"{m['steps']:.0f} | {m['wall_s']:.1f} | {ttt} | {speedup} | {of_ceiling} | "
-            f"{m['compute_utilization']:.2f} | {'-' if share is None else f'{share:.2f}'} | "
+            f"{m['compute_utilization']:.2f} | "
+            f"{'-' if step is None else _fmt(step * 1e3, '.0f', _ms(m['compute_step_s_spread']))} | "
+            f"{'-' if share is None else f'{share:.2f}'} | "
             f"{'-' if mb is None else f'{mb:.1f}'} |")
     return "\n".join(rows) + _early_table(methods) + _stage_table(methods)
 

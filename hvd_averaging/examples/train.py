@@ -63,7 +63,8 @@ def race_one_seed(seed: int, args, task, baseline_steps: int, snapshots_dir) -> 
         # round measures its own; a choice made earlier in the job is reused, not listed again)
         routes = hva.traffic().routes
         walls = allgather_rows((run.wall_s, run.compute_s / run.wall_s,
-                                run.communication_s / run.wall_s, *stages.values()),
+                                run.communication_s / run.wall_s, run.compute_s / max(1, run.steps),
+                                *stages.values()),
                                f"race.{seed}.{method}.wall", f"{method}: every rank's wall time")
         wall = max(w[0] for w in walls)
         budget = wall if budget is None else budget
@@ -90,8 +91,11 @@ def race_one_seed(seed: int, args, task, baseline_steps: int, snapshots_dir) -> 
             # the rest of the wall time: waiting for or running communication, then the race's
             # own bookkeeping (the stop agreement, reading the loss)
             "communication_share": statistics.fmean(w[2] for w in walls),
+            # seconds of compute per step in this run (rank mean): the host's speed while the
+            # method ran, beside the calibration's step (a shared host's speed drifts)
+            "compute_step_s": statistics.fmean(w[3] for w in walls),
             # per stage, from the library's counters: its share of the wall time (rank mean)
-            "stage_shares": {stage: statistics.fmean(w[3 + i] / w[0] for w in walls)
+            "stage_shares": {stage: statistics.fmean(w[4 + i] / w[0] for w in walls)
                              for i, stage in enumerate(stages)},
             "cross_node_mb_per_rank": curve[-1][2], "target_loss": target, "budget_s": budget,
             "routes_chosen": routes, "curve": curve})

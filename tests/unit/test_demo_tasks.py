@@ -249,6 +249,22 @@ def test_the_speedup_ceiling_and_each_method_s_fraction_of_it():
     assert summarize("local", "l", [dict(seeds[0])], None)["fraction_of_ceiling"] is None
 
 
+def test_each_method_s_compute_per_step_is_in_the_table_in_milliseconds():
+    # the host's speed while each method ran, beside the calibration's step
+    seeds = [dict(final_loss=2.0, steps=10, wall_s=5.0, time_to_target_s=2.0,
+                  speedup_vs_baseline=2.5, compute_utilization=0.9, compute_step_s=0.2,
+                  cross_node_mb_per_rank=1.0, curve=[]),
+             dict(final_loss=2.1, steps=10, wall_s=5.0, time_to_target_s=2.5,
+                  speedup_vs_baseline=2.0, compute_utilization=0.9, compute_step_s=0.25,
+                  cross_node_mb_per_rank=1.0, curve=[])]
+    summary = summarize("local", "local SGD", seeds)
+    assert summary["compute_step_s"] == pytest.approx(0.225)
+    text = table([summary], "loss")
+    assert "| compute ms/step |" in text and "| 0.90 | 225 (200-250) |" in text
+    old_run = [{k: v for k, v in seed.items() if k != "compute_step_s"} for seed in seeds]
+    assert "| 0.90 | - |" in table([summarize("local", "local SGD", old_run)], "loss")
+
+
 @pytest.mark.parametrize("tag, rank", [("[1,3]<stderr>:", 3), ("[2]<stderr>:", 2)])
 def test_the_demo_launcher_keeps_every_rank_s_tail_under_mpi_and_gloo(tag, rank, capsys):
     import sys
