@@ -78,7 +78,9 @@ def simulate(variant: str, task: CharLMTask, seed: int, ranks: int, steps: int, 
     outers = [_outer([g], outer_lr, momentum, warmup) for g in globals_]
     delay = {"blocking": 0, "delay-half": period // 2}.get(variant, period)
     in_flight: Optional[tuple[int, torch.Tensor, list]] = None  # (apply after, average, snapshots)
-    own_sent: Optional[list] = None  # eager: each rank's pseudo-gradient in the round in flight
+    # eager: the average of the round sent a phase ago, and each rank's own share of it
+    arrived: Optional[torch.Tensor] = None
+    own_sent: Optional[list] = None
     eval_model, curve = task.model(seed), []
     for counter in range(steps):
         for model, opt, feed in zip(models, inner, batches):
@@ -89,31 +91,31 @@ def simulate(variant: str, task: CharLMTask, seed: int, ranks: int, steps: int, 
             opt.step()
         params = _vectors(models)
         fires = counter % period == 0
-        if variant in ("delay-half", "delay-whole") and in_flight and counter >= in_flight[0]:
+        if in_flight and counter >= in_flight[0]:
             _, progress, snapshots = in_flight
             _outer_step(*outers[0], globals_, [-progress])
             for model, now, snapshot in zip(models, params, snapshots):
                 _set(model, globals_[0] + (now - snapshot))
             in_flight, params = None, _vectors(models)
-        if fires and variant == "blocking":
+        if fires and variant != "eager-whole":
             progress = torch.stack([p - globals_[0] for p in params]).mean(0)
-            _outer_step(*outers[0], globals_, [-progress])
-            for model in models:
-                _set(model, globals_[0])
-        elif fires and variant in ("delay-half", "delay-whole"):
-            progress = torch.stack([p - globals_[0] for p in params]).mean(0)
-            in_flight = (counter + delay, progress, params)
+            if delay:
+                in_flight = (counter + delay, progress, params)
+            else:
+                _outer_step(*outers[0], globals_, [-progress])
+                for model in models:
+                    _set(model, globals_[0])
         elif fires:  # eager-whole: the round sent a phase ago has landed by now
             fresh = [g - p for g, p in zip(globals_, params)]  # pseudo-gradient per rank
             for rank, model in enumerate(models):
-                if in_flight is None:  # nothing has arrived yet: the rank's own share alone
+                if arrived is None:  # nothing has arrived yet: the rank's own share alone
                     grad = fresh[rank] / ranks
                 else:
-                    grad = in_flight[1] + (fresh[rank] - own_sent[rank]) / ranks
+                    grad = arrived + (fresh[rank] - own_sent[rank]) / ranks
                 outer, schedule = outers[rank]
                 _outer_step(outer, schedule, [globals_[rank]], [grad])
                 _set(model, globals_[rank])
-            in_flight, own_sent = (counter + delay, torch.stack(fresh).mean(0), []), fresh
+            arrived, own_sent = torch.stack(fresh).mean(0), fresh
         if eval_at(counter + 1):
             _set(eval_model, torch.stack(_vectors(models)).mean(0))
             curve.append((counter + 1, task.evaluate(eval_model)))

@@ -72,8 +72,8 @@ def speedup_at(baseline_curve: Sequence[tuple], curve: Sequence[tuple], seconds:
                lower_is_better: bool = True) -> Optional[float]:
     """The speed-up a user would have seen had both runs stopped at ``seconds``: the baseline's
     time at its first curve point at or after ``seconds``, over the time this ``curve`` took to
-    reach the baseline's metric there (:func:`time_to_reach`). None if the baseline never got there or the curve never
-    reached it."""
+    reach the baseline's metric there (:func:`time_to_reach`). None if the baseline never got
+    there or the curve never reached it."""
     at = next((point for point in baseline_curve if point[0] >= seconds), None)
     if at is None:
         return None
