@@ -318,7 +318,8 @@ def check_race_results(summary: dict, written: list[str]) -> list[str]:
     problems = []
     top = ("target_loss", "budget_s", "regime", "speedup_ceiling", "methods")
     fields = ("method", "label", "final_loss", "steps", "wall_s", "time_to_target_s",
-              "speedup_vs_baseline", "fraction_of_ceiling", "compute_utilization",
+              "speedup_vs_baseline", "fraction_of_ceiling", "run_ceiling",
+              "fraction_of_run_ceiling", "compute_utilization",
               "compute_step_s", "cross_node_mb_per_rank", "speedup_at_60s", "seeds")
     problems += [f"results.json lacks {k!r}" for k in top if k not in summary]
     methods = summary.get("methods", [])
@@ -360,6 +361,20 @@ def check_race_results(summary: dict, written: list[str]) -> list[str]:
             if seed["fraction_of_ceiling"] != expected:
                 problems.append(f"{m['method']}: fraction of the ceiling "
                                 f"{seed['fraction_of_ceiling']}, its speed-up says {expected}")
+    # each seed's ceiling at the host's speed as it ran: its own baseline seed's step over the
+    # method's compute per step in that run
+    for m in methods:
+        for seed, own_baseline in zip(m["seeds"], methods[0]["seeds"]):
+            own = own_baseline["wall_s"] / own_baseline["steps"] / seed["compute_step_s"]
+            fraction = None if seed["speedup_vs_baseline"] is None \
+                else seed["speedup_vs_baseline"] / own
+            got = seed["fraction_of_run_ceiling"]
+            agrees = got is None and fraction is None or None not in (got, fraction) and \
+                math.isclose(got, fraction, rel_tol=1e-9)
+            if not math.isclose(seed["run_ceiling"], own, rel_tol=1e-9) or not agrees:
+                problems.append(f"{m['method']}: run ceiling {seed['run_ceiling']} and fraction "
+                                f"{seed['fraction_of_run_ceiling']}, the baseline's step over the "
+                                f"compute per step gives {own} and {fraction}")
     # the target is the baseline's own final held-out loss, read off its own curve
     if baseline["curve"][-1][-1] != summary["target_loss"]:
         problems.append(f"target {summary['target_loss']} is not the baseline's final "

@@ -6,7 +6,7 @@ import statistics
 from pathlib import Path
 from typing import Optional, Sequence
 
-__all__ = ["speedup_ceiling", "summarize", "table", "plot"]
+__all__ = ["speedup_ceiling", "run_ceiling", "summarize", "table", "plot"]
 
 
 def _mean(values: Sequence[Optional[float]]) -> Optional[float]:
@@ -30,15 +30,34 @@ def speedup_ceiling(baseline_seeds: list[dict], compute_step_s: float) -> Option
     return statistics.fmean(s["wall_s"] / s["steps"] for s in baseline_seeds) / compute_step_s
 
 
-def summarize(method: str, label: str, seeds: list[dict],
-              ceiling: Optional[float] = None) -> dict:
+def run_ceiling(baseline_seed: Optional[dict], seed: dict) -> Optional[float]:
+    """The ceiling at the host's speed while the method ran: the baseline's wall seconds per
+    step in the same seed over the method's own compute seconds per step in its run. On a
+    shared host whose speed drifts, the calibration's step (minutes earlier) can be faster or
+    slower than what the method met; this one compares the method with what it could have
+    done as it ran. None where either is unknown."""
+    if not baseline_seed or not seed.get("compute_step_s"):
+        return None
+    return baseline_seed["wall_s"] / baseline_seed["steps"] / seed["compute_step_s"]
+
+
+def summarize(method: str, label: str, seeds: list[dict], ceiling: Optional[float] = None,
+              baseline_seeds: Optional[list[dict]] = None) -> dict:
     """One method over its seeds: means (None where a seed missed), min-max spreads, per seed;
-    with a ``ceiling``, each speed-up's ``fraction_of_ceiling``."""
-    for seed in seeds:
+    with a ``ceiling``, each speed-up's ``fraction_of_ceiling``; with the baseline's seeds (in
+    the same order), each seed's ``run_ceiling`` and ``fraction_of_run_ceiling``."""
+    if baseline_seeds is not None and len(baseline_seeds) != len(seeds):
+        raise ValueError(f"{method}: {len(seeds)} seeds against the baseline's "
+                         f"{len(baseline_seeds)}; each seed needs its own baseline")
+    for i, seed in enumerate(seeds):
         speedup = seed.get("speedup_vs_baseline")
         seed["fraction_of_ceiling"] = None if speedup is None or not ceiling else speedup / ceiling
+        own = run_ceiling(baseline_seeds[i], seed) if baseline_seeds else None
+        seed["run_ceiling"] = own
+        seed["fraction_of_run_ceiling"] = None if speedup is None or not own else speedup / own
     keys = ("final_loss", "steps", "wall_s", "time_to_target_s", "speedup_vs_baseline",
-            "fraction_of_ceiling", "compute_utilization", "compute_step_s", "communication_share",
+            "fraction_of_ceiling", "run_ceiling", "fraction_of_run_ceiling",
+            "compute_utilization", "compute_step_s", "communication_share",
             "cross_node_mb_per_rank", "speedup_at_60s")
     out = {"method": method, "label": label}
     for key in keys:
@@ -68,20 +87,22 @@ def _ms(spread: Optional[list]) -> Optional[list]:
 def table(methods: list[dict], metric: str) -> str:
     """Markdown: one row per method (mean over seeds, min-max in brackets with several)."""
     rows = [f"| method | {metric} at the budget | steps | wall s | time to target | speed-up "
-            "| of the ceiling | compute utilization | compute ms/step | communication share "
-            "| MB/rank across the link |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "| of the ceiling | of the run's ceiling | compute utilization | compute ms/step "
+            "| communication share | MB/rank across the link |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for m in methods:
         ttt = _fmt(m["time_to_target_s"], ".1f", m["time_to_target_s_spread"], " s")
         speedup = _fmt(m["speedup_vs_baseline"], ".2f", m["speedup_vs_baseline_spread"], "x")
         of_ceiling = _fmt(m["fraction_of_ceiling"], ".2f", m["fraction_of_ceiling_spread"])
+        of_run = ("-" if m.get("fraction_of_run_ceiling") is None else
+                  _fmt(m["fraction_of_run_ceiling"], ".2f", m["fraction_of_run_ceiling_spread"]))
         reached = sum(s["time_to_target_s"] is not None for s in m["seeds"])
         if 0 < reached < len(m["seeds"]):
-            ttt, speedup, of_ceiling = f"reached in {m['reached_in']} seeds", "-", "-"
+            ttt, speedup, of_ceiling, of_run = f"reached in {m['reached_in']} seeds", "-", "-", "-"
         mb, share, step = m["cross_node_mb_per_rank"], m["communication_share"], m["compute_step_s"]
         rows.append(
             f"| {m['label']} | {_fmt(m['final_loss'], '.4f', m['final_loss_spread'])} | "
-            f"{m['steps']:.0f} | {m['wall_s']:.1f} | {ttt} | {speedup} | {of_ceiling} | "
+            f"{m['steps']:.0f} | {m['wall_s']:.1f} | {ttt} | {speedup} | {of_ceiling} | {of_run} | "
             f"{m['compute_utilization']:.2f} | "
             f"{'-' if step is None else _fmt(step * 1e3, '.0f', _ms(m['compute_step_s_spread']))} | "
             f"{'-' if share is None else f'{share:.2f}'} | "

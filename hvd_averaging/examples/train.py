@@ -201,7 +201,8 @@ def main(argv=None) -> int:
         shutil.rmtree(snapshots_dir, ignore_errors=True)  # emptied rank by rank: only folders left
     if hvd.rank() == 0:
         ceiling = speedup_ceiling(per_method.get("baseline"), regime["compute_step_s"])
-        methods = [summarize(m, label(m, args), seeds, ceiling) for m, seeds in per_method.items()]
+        methods = [summarize(m, label(m, args), seeds, ceiling, per_method.get("baseline"))
+                   for m, seeds in per_method.items()]
         targets = [s["target_loss"] for s in methods[0]["seeds"]]
         target = statistics.fmean(targets) if None not in targets else None
         md = table(methods, task.metric)

@@ -249,6 +249,37 @@ def test_the_speedup_ceiling_and_each_method_s_fraction_of_it():
     assert summarize("local", "l", [dict(seeds[0])], None)["fraction_of_ceiling"] is None
 
 
+def test_each_seed_s_ceiling_at_the_host_s_speed_while_the_method_ran():
+    from hvd_averaging.examples.report import run_ceiling, summarize, table
+    # the baseline's seeds: 1.0 s and 1.2 s a step; the method computed 0.25 s and 0.2 s a step
+    baseline = [dict(wall_s=60.0, steps=60), dict(wall_s=72.0, steps=60)]
+    seeds = [dict(final_loss=2.0, steps=10, wall_s=5.0, time_to_target_s=2.0,
+                  speedup_vs_baseline=3.0, compute_utilization=0.9, compute_step_s=0.25,
+                  cross_node_mb_per_rank=1.0, curve=[]),
+             dict(final_loss=2.1, steps=10, wall_s=5.0, time_to_target_s=2.5,
+                  speedup_vs_baseline=4.5, compute_utilization=0.9, compute_step_s=0.2,
+                  cross_node_mb_per_rank=1.0, curve=[])]
+    assert run_ceiling(baseline[0], seeds[0]) == pytest.approx(4.0)
+    assert run_ceiling(None, seeds[0]) is None
+    assert run_ceiling(baseline[0], dict(seeds[0], compute_step_s=None)) is None
+    summary = summarize("local", "local SGD", seeds, 5.0, baseline)
+    # each seed against its own baseline seed, not the mean of the baselines
+    assert [s["run_ceiling"] for s in seeds] == pytest.approx([4.0, 6.0])
+    assert [s["fraction_of_run_ceiling"] for s in seeds] == pytest.approx([0.75, 0.75])
+    assert [s["fraction_of_ceiling"] for s in seeds] == pytest.approx([0.6, 0.9])
+    assert summary["fraction_of_run_ceiling"] == pytest.approx(0.75)
+    assert "| 0.75 (0.60-0.90) | 0.75 (0.75-0.75) |" in table([summary], "loss")
+    # a seed that missed the target has no fraction; a seed without a baseline is refused
+    missed = summarize("local", "l", [dict(seeds[0], speedup_vs_baseline=None)], 5.0, baseline[:1])
+    assert missed["seeds"][0]["run_ceiling"] == pytest.approx(4.0)
+    assert missed["fraction_of_run_ceiling"] is None
+    with pytest.raises(ValueError, match="2 seeds against the baseline's 1"):
+        summarize("local", "l", [dict(s) for s in seeds], 5.0, baseline[:1])
+    # without a baseline in the race: the column shows "-"
+    assert "| 0.75 (0.60-0.90) | - |" in table([summarize("local", "l", [dict(s) for s in seeds],
+                                                           5.0)], "loss")
+
+
 def test_each_method_s_compute_per_step_is_in_the_table_in_milliseconds():
     # the host's speed while each method ran, beside the calibration's step
     seeds = [dict(final_loss=2.0, steps=10, wall_s=5.0, time_to_target_s=2.0,
