@@ -17,6 +17,11 @@ before any round that fires there.
   optimizer; its outer step takes the average that has arrived (one phase stale) with its own
   stale share replaced by its fresh pseudo-gradient, and the rank restarts from its copy.
 
+- ``allreduce``: the race's baseline, ``hvd.DistributedOptimizer``: one model stepped on the
+  mean of the ranks' batch gradients at every step (no outer step). Beside it, the steps a local
+  method needs for the baseline's loss at a given step say what a local step is worth, with no
+  host's speed in the way; ``--inner-lr`` tries another inner learning rate for every variant.
+
 ``--race RESULTS`` also compares ``delay-half`` with the real 4-rank run of ``diloco`` in a race's
 ``results.json`` (the same seed), at the steps of that run's curve::
 
@@ -40,7 +45,7 @@ from hvd_averaging.examples.tasks import CharLMTask
 
 __all__ = ["VARIANTS", "simulate"]
 
-VARIANTS = ("blocking", "delay-half", "delay-whole", "eager-whole")
+VARIANTS = ("blocking", "delay-half", "delay-whole", "eager-whole", "allreduce")
 
 
 def _outer(params: list, lr: float, momentum: float, warmup: int):
@@ -65,12 +70,42 @@ def _set(model: torch.nn.Module, vector: torch.Tensor) -> None:
     torch.nn.utils.vector_to_parameters(vector, model.parameters())
 
 
-@torch.no_grad()
+def _gradient_allreduce(task: CharLMTask, seed: int, ranks: int, steps: int, lr: float,
+                        eval_at: Callable[[int], bool]) -> list:
+    """The baseline: every step on the mean of the ranks' batch gradients (the gradient of
+    their mean loss), as Horovod's allreduce of gradients gives every rank."""
+    model = task.model(seed)
+    optimizer = task.inner_optimizer(model.parameters(), lr)
+    batches = [task.batches(rank, ranks, seed) for rank in range(ranks)]
+    curve = []
+    for counter in range(steps):
+        optimizer.zero_grad()
+        (sum(task.loss(model, *next(feed)) for feed in batches) / ranks).backward()
+        optimizer.step()
+        if eval_at(counter + 1):
+            with torch.no_grad():
+                curve.append((counter + 1, task.evaluate(model)))
+    return curve
+
+
 def simulate(variant: str, task: CharLMTask, seed: int, ranks: int, steps: int, period: int,
-             outer_lr: float, momentum: float, warmup: int, eval_at: Callable[[int], bool]) -> list:
-    """``[(steps taken, held-out loss of the ranks' average)]`` at the steps ``eval_at`` picks."""
+             outer_lr: float, momentum: float, warmup: int, eval_at: Callable[[int], bool],
+             inner_lr: Optional[float] = None) -> list:
+    """``[(steps taken, held-out loss of the ranks' average)]`` at the steps ``eval_at`` picks;
+    ``inner_lr`` defaults to the task's (the race's)."""
+    lr = task.default_lr if inner_lr is None else inner_lr
+    if variant == "allreduce":
+        return _gradient_allreduce(task, seed, ranks, steps, lr, eval_at)
+    with torch.no_grad():
+        return _local_steps(variant, task, seed, ranks, steps, period, outer_lr, momentum, warmup,
+                            eval_at, lr)
+
+
+def _local_steps(variant: str, task: CharLMTask, seed: int, ranks: int, steps: int, period: int,
+                 outer_lr: float, momentum: float, warmup: int, eval_at: Callable[[int], bool],
+                 lr: float) -> list:
     models = [task.model(seed) for _ in range(ranks)]
-    inner = [task.inner_optimizer(m.parameters(), task.default_lr) for m in models]
+    inner = [task.inner_optimizer(m.parameters(), lr) for m in models]
     batches = [task.batches(rank, ranks, seed) for rank in range(ranks)]
     start = _vectors(models[:1])[0]
     copies = 1 if variant != "eager-whole" else ranks  # global copies: one, or one per rank
@@ -122,6 +157,28 @@ def simulate(variant: str, task: CharLMTask, seed: int, ranks: int, steps: int, 
     return curve
 
 
+def _against_the_baseline(runs: list, variants: list, marks: list, every: int) -> None:
+    """Per variant: the steps to the baseline's held-out loss after ``n`` steps (its own seed's),
+    over ``n``: how many local steps one baseline step is worth, mean (min-max) over seeds."""
+    print("\nsteps to the baseline's loss after n of its steps, over n (mean, min-max over seeds):")
+    print("| variant | " + " | ".join(f"n = {n}" for n in marks) + " |")
+    print("|---|" + "---|" * len(marks))
+    for variant in variants:
+        cells = []
+        for n in marks:
+            ratios = []
+            for base in (r for r in runs if r["variant"] == "allreduce"):
+                target = dict(map(tuple, base["curve"]))[n]
+                curve = next(r["curve"] for r in runs
+                             if r["variant"] == variant and r["seed"] == base["seed"])
+                reached = time_to_reach([p for p in curve if p[0] % every == 0 or p[0] == n],
+                                        target)
+                ratios.append(None if reached is None else reached / n)
+            cells.append("not reached" if None in ratios else
+                         f"{statistics.fmean(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})")
+        print(f"| {variant} | " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -129,16 +186,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=384)
     parser.add_argument("--period", type=int, default=16)
     parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--inner-lr", type=float, default=None,
+                        help="every variant's inner learning rate (default: the race's)")
     parser.add_argument("--outer-lr", type=float, default=0.5)
     parser.add_argument("--outer-momentum", type=float, default=0.9)
     parser.add_argument("--outer-momentum-warmup", type=int, default=8)
     parser.add_argument("--every", type=int, default=8, help="evaluate every this many steps")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--race", type=Path, help="a race's results.json to compare delay-half with")
+    parser.add_argument("--baseline-steps", default="60,90",
+                        help="with allreduce: each variant's steps to the baseline's loss after "
+                             "this many steps, over them")
     args = parser.parse_args()
     torch.set_num_threads(1)
     task = CharLMTask()
     seeds = [int(s) for s in args.seeds.split(",")]
+    marks = [int(n) for n in args.baseline_steps.split(",")]
     race_steps = {}
     if args.race:  # the real run's evaluation points, per seed
         race = json.loads(args.race.read_text())
@@ -150,7 +213,9 @@ def main() -> None:
         for variant in args.variants.split(","):
             curve = simulate(variant, task, seed, args.ranks, args.steps, args.period,
                              args.outer_lr, args.outer_momentum, args.outer_momentum_warmup,
-                             lambda n: n % args.every == 0 or (variant == "delay-half" and n in real))
+                             lambda n: n % args.every == 0 or (variant == "delay-half" and n in real)
+                             or (variant == "allreduce" and n in marks),
+                             args.inner_lr)
             results["runs"].append({"seed": seed, "variant": variant, "curve": curve})
             print(f"seed {seed} {variant:12s} loss at " + ", ".join(
                 f"{n}: {loss:.4f}" for n, loss in curve if n % (4 * args.every) == 0), flush=True)
@@ -173,6 +238,8 @@ def main() -> None:
             cells.append("-" if None in reached else f"{statistics.fmean(reached):.0f}")
         last = statistics.fmean(c[-1][1] for c in runs)
         print(f"| {variant} | " + " | ".join(cells) + f" | {last:.4f} |")
+    if "allreduce" in args.variants.split(","):
+        _against_the_baseline(results["runs"], args.variants.split(","), marks, args.every)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))
 
