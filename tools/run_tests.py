@@ -354,20 +354,17 @@ def check_race_results(summary: dict, written: list[str]) -> list[str]:
     if not math.isclose(summary["speedup_ceiling"], ceiling, rel_tol=1e-9) or not ceiling > 1:
         problems.append(f"speed-up ceiling {summary['speedup_ceiling']}, the baseline's step over "
                         f"the compute step gives {ceiling}")
+    # per seed, both ceilings: the calibration's, and its own at the host's speed as it ran (its
+    # baseline seed's step over the method's compute per step in that run)
     for m in methods:
-        for seed in m["seeds"]:
-            expected = None if seed["speedup_vs_baseline"] is None \
-                else seed["speedup_vs_baseline"] / summary["speedup_ceiling"]
+        for seed, own_baseline in zip(m["seeds"], methods[0]["seeds"]):
+            speedup = seed["speedup_vs_baseline"]
+            expected = None if speedup is None else speedup / summary["speedup_ceiling"]
             if seed["fraction_of_ceiling"] != expected:
                 problems.append(f"{m['method']}: fraction of the ceiling "
                                 f"{seed['fraction_of_ceiling']}, its speed-up says {expected}")
-    # each seed's ceiling at the host's speed as it ran: its own baseline seed's step over the
-    # method's compute per step in that run
-    for m in methods:
-        for seed, own_baseline in zip(m["seeds"], methods[0]["seeds"]):
             own = own_baseline["wall_s"] / own_baseline["steps"] / seed["compute_step_s"]
-            fraction = None if seed["speedup_vs_baseline"] is None \
-                else seed["speedup_vs_baseline"] / own
+            fraction = None if speedup is None else speedup / own
             got = seed["fraction_of_run_ceiling"]
             agrees = got is None and fraction is None or None not in (got, fraction) and \
                 math.isclose(got, fraction, rel_tol=1e-9)
