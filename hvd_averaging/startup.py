@@ -14,6 +14,7 @@ from typing import Hashable, Optional, Sequence
 import horovod.torch as hvd
 
 from .deadlines import check_environment
+from .horovod_patch import warn_if_unpatched
 from .placement import mpi_placement, rank_to_node, this_host
 from .topology import static_groups
 from .world import start_world
@@ -92,6 +93,7 @@ def init(comm=None, *, group_sizes: Optional[Sequence[int]] = None) -> None:
         >>> averager = hva.HierarchicalModelAverager({2: 2, 8: hvd.size()}, warmup_steps=0)
     """
     check_environment()  # before Horovod starts: same outcome on every rank
+    warn_if_unpatched()  # once per process: pip's Horovod runs code its rendezvous is sent
     if hvd.is_initialized():
         if group_sizes is not None:
             warnings.warn("hva.init(group_sizes=...) after Horovod was initialized does nothing: "
