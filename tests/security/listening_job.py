@@ -4,8 +4,8 @@ socket on the emulated nodes and, in the elastic launch, attacks the rendezvous 
 Rank 0 writes ``$HVA_PROBE_DIR/job.json`` (the rendezvous address and port Horovod gave the
 workers, and its own rendezvous key); every rank then waits for ``$HVA_PROBE_DIR/probed`` (at
 most 120 s), averages once and prints ``listening job ok``. Under an elastic launch the work runs
-inside ``hvd.elastic.run``, so each worker has registered its address and key with the
-rendezvous server (the legitimate PUT) before the probe.
+inside ``hvd.elastic.run``, so each worker has registered its addresses with the rendezvous
+server (the legitimate PUT, signed with the job secret) before the probe.
 """
 import json
 import os
