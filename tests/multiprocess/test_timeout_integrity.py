@@ -68,8 +68,8 @@ def test_interrupted_wait_leaves_what_is_saved_and_the_parameters_whole(world, r
     """KeyboardInterrupt, or a SIGTERM handler's exception, while the others wait for the late
     rank: their except block saves; then the late rank completes the round. The saved copy and
     the parameters afterwards hold every element from before the round (at the commit before
-    this test the saved copy was whole but all 256,007 elements of the parameters were
-    overwritten by the late average afterwards; measured on 1,048,576 elements in the issue);
+    this test the saved copy was whole but the late average overwrote the parameters
+    afterwards: 255,999 of parameter #0's 256,000 elements, all but the one it leaves equal);
     the memory the abandoned round holds is stated, then let go by the next round, which
     averages every rank's values element for element."""
     late = world - 1
