@@ -19,7 +19,7 @@ import torch
 
 from .agreement import check_same_on_all_ranks
 from .deadlines import bounded_collective, guarded_enqueue
-from .rounds import NonFiniteError, Round, begin_round
+from .rounds import NonFiniteError, Round, abandon_round, begin_round, settle_timed_out
 from .traffic import count_seconds
 from .transports import InPieces
 
@@ -66,7 +66,9 @@ class DelayedAverage:
 
     Memory: the snapshot and the buffer that travels (a copy of the tensors each, in their own
     dtype), plus the wire format's buffers (float16: half a copy more), kept in the averager's
-    ``buffers`` for its next round.
+    ``buffers`` for its next round. After a timeout the buffers a late write may still land in
+    are dropped, and the next round allocates fresh ones once the abandoned round completed
+    (:mod:`~hvd_averaging.abandoned_rounds`).
     """
 
     def __init__(self, round_: Round, buffers: dict, snapshots: Optional[list[torch.Tensor]],
@@ -74,6 +76,7 @@ class DelayedAverage:
         began = time.perf_counter()
         self._round = round_
         self.what = round_.what
+        self._buffers = buffers
         self._snapshots = []
         wires = []
         for index, slab in enumerate(round_.packing.slabs):
@@ -90,6 +93,7 @@ class DelayedAverage:
         transport, self._trial = round_.transport_left_in_flight(pieces)
         if pieces > 1:
             transport = InPieces(transport, window=pieces)
+        self._transport, self._wires = transport, wires
         self.started_at = time.monotonic()
         launching = time.perf_counter()
         with self._trial_abandoned_on_error(), guarded_enqueue(self.what):
@@ -134,7 +138,20 @@ class DelayedAverage:
         """Drive the round to its end, bounded by ``hva.timeout()`` counted from its start."""
         with bounded_collective(self.what, self.nbytes, started_at=self.started_at) as collective, \
                 self._round.naming_non_finite():
-            collective.drive([self._transfer])
+            try:
+                collective.drive([self._transfer])
+            except BaseException as error:
+                if not self._transfer.in_flight:
+                    raise
+                # The stage stays queued and may still write into the wire buffers: the next
+                # round of this averager level gets fresh ones (the parameters are not
+                # written: what travels is a copy).
+                replacement = abandon_round(
+                    self._round, self._transport, self._transfer, self._wires, error,
+                    reused=[(self._buffers, ("wire", i)) for i in range(len(self._wires))])
+                if replacement is error:
+                    raise
+                raise replacement from replacement.__cause__
 
     def progress(self) -> None:
         """Launch the next stage of every transfer whose current one finished; never waits.
@@ -226,6 +243,7 @@ def start_delayed_average(
     if round_ is None:
         return None
     round_.op_tag = op_tag
+    settle_timed_out(round_)
     if snapshots is not None:
         slabs = round_.packing.slabs
         fits = snapshot_layout == round_.packing.layout_digest and len(snapshots) == len(slabs) \

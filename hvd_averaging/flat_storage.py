@@ -25,7 +25,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-__all__ = ["is_dense_permutation", "DtypeSlab", "Packing", "pack"]
+__all__ = ["is_dense_permutation", "StorageMoveError", "DtypeSlab", "Packing", "pack"]
 
 # Horovod's torch ops carry these dtypes natively; others travel in a buffer of the mapped dtype.
 WIRE_DTYPE = MappingProxyType({torch.bfloat16: torch.float32})
@@ -51,6 +51,37 @@ def _owns_its_storage(t: torch.Tensor) -> bool:
         and t.untyped_storage().nbytes() == t.numel() * t.element_size()
         and is_dense_permutation(t.shape, t.stride())
     )
+
+
+class StorageMoveError(MemoryError):
+    """No memory for a second copy of a packing's buffers, on their device nor on the host."""
+
+
+def _allocated_like(
+        buffers: list[torch.Tensor]) -> tuple[list[torch.Tensor], Optional[torch.device]]:
+    """A new buffer like each of ``buffers``: all on their devices, or else all in host memory
+    (on a CPU-only model: a second try, the first try's buffers freed). Allocates every buffer
+    before anything is changed. Returns the buffers and the host device if it was used."""
+    host = torch.device("cpu")
+    failures = []
+    for device in (None, host):
+        try:
+            made = [torch.empty_like(b, device=device or b.device) for b in buffers]
+        except (RuntimeError, MemoryError) as error:  # torch.OutOfMemoryError is a RuntimeError
+            failures.append(error)
+            continue
+        moved = device is not None and any(b.device != host for b in buffers)
+        return made, (host if moved else None)
+    needed = sum(b.numel() * b.element_size() for b in buffers)
+    raise StorageMoveError(
+        f"no room for a second copy of {needed} bytes on {buffers[0].device} "
+        f"({failures[0]}) nor in host memory ({failures[-1]})") from failures[-1]
+
+
+def _synchronised(buffers: list[torch.Tensor]) -> None:
+    """Wait for the copies queued on the current stream of the buffers' GPUs."""
+    for device in {b.device for b in buffers if b.is_cuda}:
+        torch.cuda.current_stream(device).synchronize()
 
 
 @dataclass
@@ -100,33 +131,53 @@ class Packing:
         """False once any bound tensor's ``.data`` was replaced (it no longer views its slab)."""
         return all(t.data_ptr() == ptr for t, ptr in self._bound_pointers)
 
-    def move_to_new_storage(self, finished: Callable[[], bool]) -> None:
-        """Give the slabs new buffers and move every bound tensor there with its current value,
-        so that nothing written into the old buffers from now on reaches it: a timed-out
-        round's collective stays queued in Horovod and may still write its average there when
-        a late rank arrives. ``finished()`` is asked afterwards: if the round completed while
-        the values were being copied, the old buffers hold its whole average, which the
-        tensors then take (never a mix). The packing stays the same (same tensors, same
-        layout), so the next round needs no new cross-rank check."""
+    def move_to_new_storage(self, finished: Callable[[], bool]) -> Optional[torch.device]:
+        """Move every bound tensor, with its current value, to new buffers, so that nothing
+        written into the old ones from now on reaches it: a round that was interrupted (a
+        timeout, ``KeyboardInterrupt``) stays queued in Horovod, and a flat allreduce writes its
+        average into the old buffers when a late rank arrives.
+
+        All or nothing: the new buffers are allocated first, on the tensors' device or, where
+        it cannot hold a second copy, in host memory (the tensors then live on the host: the
+        returned device says so); the values are copied (on a GPU the stream is synchronised,
+        so the copy is done before ``finished()`` is read); if the round completed meanwhile,
+        the old buffers hold its whole average, which the tensors take instead (never a mix);
+        only then are all tensors rebound, in one loop that allocates nothing. The packing
+        stays the same (same tensors, same layout), so the next round needs no new cross-rank
+        check.
+
+        Returns:
+            None, or the host device the tensors now live on.
+
+        Raises:
+            StorageMoveError: no room for the new buffers on the device nor on the host;
+                nothing was changed (the tensors still live in the old buffers).
+        """
         with torch.no_grad():
             old = [slab.flat for slab in self.slabs]
-            for slab in self.slabs:
-                slab.flat = torch.empty_like(slab.flat)
-                slab.copied_slots = []
-            moved = []
-            for t, (index, offset, stride) in zip(self.tensors, self.places):
-                slab = self.slabs[index]
-                if stride is None:  # copied through its slot: never written by a transfer
-                    slab.copied_slots.append(slab.flat[offset:offset + t.numel()].view(t.shape))
-                    continue
-                view = slab.flat.as_strided(t.shape, stride, offset)
-                view.copy_(t.data)
-                t.data = view
-                moved.append((view, old[index].as_strided(t.shape, stride, offset)))
+            new, fell_back = _allocated_like(old)
+            for source, target in zip(old, new):
+                target.copy_(source)
+            _synchronised(old)
             if finished():
-                for view, in_old in moved:
-                    view.copy_(in_old)
+                for source, target in zip(old, new):
+                    target.copy_(source)
+                _synchronised(old)
+            # every view first; the rebinding below allocates no storage and cannot fail half-way
+            views = [new[index].as_strided(t.shape, stride, offset) if stride is not None
+                     else new[index][offset:offset + t.numel()].view(t.shape)
+                     for t, (index, offset, stride) in zip(self.tensors, self.places)]
+            slots: list[list[torch.Tensor]] = [[] for _ in self.slabs]
+            for t, view, (index, _, stride) in zip(self.tensors, views, self.places):
+                if stride is None:  # copied through its slot: never written by a transfer
+                    slots[index].append(view)
+                else:
+                    t.data = view
+            for slab, flat, slab_slots in zip(self.slabs, new, slots):
+                slab.flat = flat
+                slab.copied_slots = slab_slots
             self._bound_pointers = [(t, t.data_ptr()) for t, _ in self._bound_pointers]
+        return fell_back
 
     @property
     def extra_bytes(self) -> int:

@@ -32,8 +32,9 @@ from typing import Iterator, Optional
 import horovod.torch as hvd
 import torch
 
+from .abandoned_rounds import abandon, settle
 from .agreement import check_same_on_all_ranks, config_digest
-from .deadlines import AveragingTimeoutError, bounded_collective
+from .deadlines import bounded_collective
 from .flat_storage import Packing
 from .params import TensorsLike, check_local_layout, collect_parameters, first_non_finite
 from .process_sets import members
@@ -41,11 +42,12 @@ from .route_trials import Trial
 from .round_book import RoundBook
 from .routes import routes
 from .traffic import count_round, count_seconds
-from .transports import Transport
+from .transports import Transfer, Transport
 from .wire import NonFiniteOnWire, WireCodec
 from .world import current_world
 
-__all__ = ["NonFiniteError", "Round", "begin_round", "average_tensors", "average_parameters"]
+__all__ = ["NonFiniteError", "Round", "begin_round", "settle_timed_out", "abandon_round",
+           "average_tensors", "average_parameters"]
 
 
 class NonFiniteError(ValueError):
@@ -109,6 +111,23 @@ class Round:
             raise NonFiniteError(f"{self.what}: " + (
                 f"{where}; {self.codec.format.round_name} cannot scale it" if where else
                 f"rank {error.rank} holds NaN/Inf (see its error); nothing was averaged")) from None
+
+
+def settle_timed_out(round_: Round) -> None:
+    """Before ``round_`` launches anything, its set's abandoned rounds complete and are let go
+    (:meth:`~.abandoned_rounds.AbandonedRounds.settle`)."""
+    settle(round_.process_set, round_.what)
+
+
+def abandon_round(round_: Round, transport: Transport, transfer: Transfer,
+                  buffers: list[torch.Tensor], error: BaseException,
+                  reused: Optional[list[tuple[dict, object]]] = None) -> BaseException:
+    """After ``error`` stopped the wait for ``transfer`` (its stage still queued in Horovod):
+    :func:`~.abandoned_rounds.abandon`, with the round's gradient buffers (reused per name)
+    among those dropped. Returns what to raise."""
+    book = current_world().component(RoundBook)
+    return abandon(round_.packing, round_.process_set, round_.what, transport, transfer, buffers,
+                   error, [(book.reused, round_.name)] + list(reused or []))
 
 
 def _packed_and_checked(book: RoundBook, tensors: list[torch.Tensor], name: str, bind: bool,
@@ -210,7 +229,11 @@ def average_tensors(
         AveragingTimeoutError: the round did not finish within ``hva.timeout()`` seconds. Each
             tensor then holds its value from before the round (or the round's whole average, if
             it completed while the error was raised), in storage of its own that no late
-            transfer of the round writes into.
+            transfer of the round writes into (in host memory if the device had no room: the
+            message says so; where no memory held the copy, chained to that failure). The same
+            holds after any other exception raised during the wait (``KeyboardInterrupt``, a
+            signal handler's). The set's next round first waits for this one to complete
+            (see :mod:`hvd_averaging.abandoned_rounds`); raised too when it still has not.
         HorovodInternalError: Horovod failed or was shut down during the round.
     """
     began = time.perf_counter()
@@ -218,6 +241,7 @@ def average_tensors(
                          context=context, compression=compression, node_aware=node_aware)
     if round_ is None:
         return
+    settle_timed_out(round_)
     slabs = round_.packing.slabs
     buffers = [slab.flat for slab in slabs]
     transport = round_.transport()
@@ -226,11 +250,15 @@ def average_tensors(
         transfer = transport.start(buffers, round_.op_names(), round_.what)
         try:
             collective.drive([transfer])
-        except AveragingTimeoutError:
-            # The collective stays queued and a flat one writes into the slabs when the late
-            # rank comes: the parameters move to new storage first.
-            round_.packing.move_to_new_storage(finished=transfer.ready)
-            raise
+        except BaseException as error:
+            if not transfer.in_flight:  # the round is over on every rank (a NaN, Horovod gone)
+                raise
+            # The stage stays queued, and a flat one writes into the slabs when the late rank
+            # comes: whatever stopped the wait, nothing of this rank's may receive that write.
+            replacement = abandon_round(round_, transport, transfer, buffers, error)
+            if replacement is error:
+                raise
+            raise replacement from replacement.__cause__
     for slab in slabs:
         slab.copy_out()
     over_all = len(round_.set_ranks) == hvd.size()

@@ -39,6 +39,17 @@ class Transport(ABC):
         """Payload bytes of one round over ``buffers`` (their size in the dtype that travels)."""
         return sum(b.numel() * b.element_size() for b in buffers)
 
+    def writes_in_place(self) -> bool:
+        """Whether Horovod's background thread writes the average straight into the buffers
+        handed to :meth:`stages` (so a round abandoned after a timeout still writes there when
+        a late rank arrives), rather than into tensors of its own that the caller's thread
+        copies back. True unless a transport says otherwise: the safe answer."""
+        return True
+
+    def forget_buffers(self) -> None:
+        """Drop the buffers kept for the next round (staging copies): a round abandoned after
+        a timeout may still be written into them. The next round allocates fresh ones."""
+
     def start(self, buffers: list[torch.Tensor], names: list[str], what: str) -> "Transfer":
         """Launch the first stage; ``what`` names the round in errors."""
         return Transfer(self.stages(buffers, names), what)
@@ -68,6 +79,23 @@ class Transfer:
         except BaseException:
             self._handles = None  # the round is over on every rank alike (e.g. a NaN agreed on)
             raise
+
+    @property
+    def in_flight(self) -> bool:
+        """True while a stage's collectives are queued in Horovod (launched, not collected)."""
+        return self._handles is not None
+
+    @property
+    def handles(self) -> list:
+        """The Horovod handles of the stage in flight (empty when none is)."""
+        return list(self._handles or [])
+
+    def abandon(self) -> None:
+        """Stop the round where it is (after a timeout or an interrupt): no later stage is
+        launched, and no result is copied anywhere. The stage in flight stays queued in
+        Horovod; :attr:`handles` are still to be synchronized once it completes, which
+        releases what Horovod holds of it."""
+        self._stages.close()
 
     def ready(self) -> bool:
         """True when the current stage finished (so :meth:`advance` would launch the next one);

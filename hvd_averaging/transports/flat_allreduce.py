@@ -27,5 +27,8 @@ class FlatAllreduce(Transport):
                                     name=f"{n}.allreduce") for b, n in zip(buffers, names)]
         return buffers
 
+    def writes_in_place(self) -> bool:
+        return True
+
     def cross_node_bytes(self, buffers: list[torch.Tensor]) -> int:
         return self.wire_bytes(buffers) if self.crosses_nodes else 0

@@ -106,6 +106,12 @@ class InPieces(Transport):
                 view.copy_(average.reshape(view.shape))
         return taken
 
+    def writes_in_place(self) -> bool:
+        return self.inner.writes_in_place()
+
+    def forget_buffers(self) -> None:
+        self.inner.forget_buffers()
+
     def cross_node_bytes(self, buffers: list[torch.Tensor]) -> int:
         return self.inner.cross_node_bytes(buffers)
 

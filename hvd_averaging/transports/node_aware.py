@@ -108,6 +108,13 @@ class NodeAware(Transport):
         rows = rows.view(self.ranks_per_node, -1)
         return rows.sum(dim=0, dtype=rows.dtype).div_(self.ranks_per_node)
 
+    def writes_in_place(self) -> bool:
+        # with one rank per node the rail averages the buffers themselves
+        return self.node_set is None and self.rail.writes_in_place()
+
+    def forget_buffers(self) -> None:
+        self.rail.forget_buffers()
+
     def wire_bytes(self, buffers: list[torch.Tensor]) -> int:
         return self.rail.wire_bytes(buffers)  # the model's size in the format the link carries
 

@@ -35,6 +35,9 @@ class ReduceScatterAllgather(Transport):
         return (yield [hvd.allgather_async(p, process_set=self.process_set, name=f"{n}.allgather")
                        for p, n in zip(pieces, names)])
 
+    def writes_in_place(self) -> bool:
+        return False  # both collectives return new tensors
+
     def cross_node_bytes(self, buffers: list[torch.Tensor]) -> int:
         # payload handed to the collectives: the whole buffer to the reduce-scatter, this
         # rank's piece to the allgather

@@ -121,3 +121,9 @@ class AgreeFinite(Transport):
 
     def cross_node_bytes(self, buffers: list[torch.Tensor]) -> int:
         return self.inner.cross_node_bytes(buffers)
+
+    def writes_in_place(self) -> bool:
+        return self.inner.writes_in_place()
+
+    def forget_buffers(self) -> None:
+        self.inner.forget_buffers()

@@ -123,6 +123,13 @@ class Fp16Wire(Transport):
             buffer.mul_(1.0 / scale)
         return buffers
 
+    def writes_in_place(self) -> bool:
+        return False  # the float16 copies travel; the caller's thread scales the average back
+
+    def forget_buffers(self) -> None:
+        self._wires = {}  # a late write may still land in the float16 copies
+        self.inner.forget_buffers()
+
     def wire_bytes(self, buffers: list[torch.Tensor]) -> int:
         return sum(b.numel() * 2 for b in buffers)
 

@@ -184,6 +184,9 @@ class Int8Exchange(Transport):
             lost[:, start:end] = values - dequantize_blocks(quantized, scales, self.block_size)
         return pack_rows(quantized, scales)
 
+    def writes_in_place(self) -> bool:
+        return False  # packets are made per round; the caller's thread writes the result
+
     def _packet_bytes(self, numel: int) -> int:
         chunk = self._chunk(numel)
         return chunk + 4 * -(-chunk // self.block_size)

@@ -138,3 +138,60 @@ def test_move_to_new_storage_keeps_values_away_from_late_writes():
     old2.fill_(7.0)  # the round completed while the values were copied
     packing.move_to_new_storage(finished=lambda: True)
     assert torch.equal(a.detach(), torch.full((2, 3), 7.0)) and torch.equal(b.detach(), torch.full((4,), 7.0))
+
+
+class FailingAllocations:
+    """``torch.empty_like`` failing as a GPU without room for a second copy does, on the calls
+    numbered in ``failing`` (0-based); the others allocate."""
+
+    def __init__(self, monkeypatch, failing):
+        self.calls, self.failing = 0, set(failing)
+        real = torch.empty_like
+
+        def empty_like(*args, **kwargs):
+            call, self.calls = self.calls, self.calls + 1
+            if call in self.failing:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 MiB")
+            return real(*args, **kwargs)
+        monkeypatch.setattr(torch, "empty_like", empty_like)
+
+
+def two_slab_packing():
+    a = torch.nn.Parameter(torch.arange(6.0).reshape(2, 3))
+    b = torch.nn.Parameter(torch.arange(4.0, dtype=torch.float64))
+    packing = pack([a, b], bind=True)
+    return packing, [a, b], [a.detach().clone(), b.detach().clone()]
+
+
+def test_move_that_cannot_allocate_changes_nothing_and_says_why(monkeypatch):
+    """No room for the second copy, on the device nor in host memory: a MemoryError naming the
+    bytes, raised before anything changed (at the commit before, the first slab's buffer was
+    replaced before the second allocation raised OutOfMemoryError, leaving the packing pointing
+    at a buffer no tensor lives in)."""
+    packing, tensors, values = two_slab_packing()
+    flats = [slab.flat for slab in packing.slabs]
+    FailingAllocations(monkeypatch, failing=range(1, 100))  # the second buffer, every try
+    with pytest.raises(MemoryError, match=r"no room for a second copy of 56 bytes"):
+        packing.move_to_new_storage(finished=lambda: False)
+    assert [slab.flat for slab in packing.slabs] == flats and packing.still_bound()
+    for t, flat in zip(tensors, flats):
+        assert t.data_ptr() == flat.data_ptr()
+    for t, v in zip(tensors, values):
+        assert torch.equal(t.detach(), v)
+
+
+def test_move_falls_back_to_a_second_try_in_host_memory(monkeypatch):
+    """The device cannot hold the copy (its allocation fails once): the buffers come from host
+    memory, every tensor moves with its value, and a late write into the old buffers no longer
+    reaches them (on this CPU-only host the second try is in the same memory)."""
+    packing, tensors, values = two_slab_packing()
+    flats = [slab.flat for slab in packing.slabs]
+    allocations = FailingAllocations(monkeypatch, failing={1})
+    assert packing.move_to_new_storage(finished=lambda: False) is None  # the tensors stay on cpu
+    assert allocations.calls == 4  # two buffers tried on the device, then both in host memory
+    for flat in flats:
+        flat.fill_(99.0)  # the late round's write
+    for t, v in zip(tensors, values):
+        assert torch.equal(t.detach(), v)
+    assert packing.still_bound()
+    assert all(slab.flat.data_ptr() != old.data_ptr() for slab, old in zip(packing.slabs, flats))
