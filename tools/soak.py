@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 __all__ = ["FAULT_KINDS", "REMOVING_KINDS", "FaultDraw", "FaultBag", "feasible_kinds",
-           "read_events", "worlds", "world_problems", "judge_fault", "summarize",
+           "read_events", "worlds", "world_problems", "judge_fault", "final_problems", "summarize",
            "summary_line", "run_soak"]
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -236,6 +236,11 @@ def judge_fault(fault: dict, events: Sequence[dict], window_end: float, bound_s:
                 steps_lost += committed - world.start_batch
                 problems.append(f"world {world.token} resumed from batch {world.start_batch}, "
                                 f"world {previous.token} had committed batch {committed}")
+            elif world.start_batch > committed + 1:
+                # one ahead is a commit saved whose record line the fault cut off (Horovod's
+                # commit() saves, then checks for host changes, a collective)
+                problems.append(f"world {world.token} resumed from batch {world.start_batch}, "
+                                f"past world {previous.token}'s last commit ({committed})")
     for world in (before[-1:] if before else []) + new:
         problems += world_problems(world)
     recovered_at = None
@@ -258,6 +263,19 @@ def judge_fault(fault: dict, events: Sequence[dict], window_end: float, bound_s:
             "steps_lost": steps_lost, "recovery_s": recovery, "since_injection_s": over,
             "problems": problems,
             "survived": not problems}
+
+
+def final_problems(ends: Sequence[dict], workers: int) -> list[str]:
+    """The ``end`` events of the last world: one per listed node, all at the same batch with
+    bit-identical parameters (the stop is taken right after an all-rank average)."""
+    problems = []
+    if len(ends) != workers or len({e["world"] for e in ends}) != 1:
+        problems.append(f"{len(ends)} workers ended training ({workers} listed), in worlds "
+                        f"{sorted({e['world'] for e in ends})}")
+    if len({e["digest"] for e in ends}) > 1 or len({e["batch"] for e in ends}) > 1:
+        ended = [(e["host"], e["batch"], e["digest"]) for e in ends]
+        problems.append(f"the final world's ranks ended differently: {ended}")
+    return problems
 
 
 def summarize(records: Sequence[dict]) -> dict:
@@ -461,6 +479,7 @@ def run_soak(bin_dir: Path, out: Path, minutes: float, faults: int, seed: int,
             time.sleep(2)  # a few commits of the whole world before the next fault
         while time.monotonic() - started < minutes * 60 and soak.proc.poll() is None:
             time.sleep(1)
+        workers_at_end = len(soak.present)
         code = soak.stop(60) if soak.proc.poll() is None else soak.proc.returncode
         if code is None:
             cluster.stop_everything()
@@ -477,8 +496,7 @@ def run_soak(bin_dir: Path, out: Path, minutes: float, faults: int, seed: int,
     ends = [e for e in events if e["event"] == "end"]
     if code != 0:
         problems.append(f"launcher exit code {code} at the stop (None: still running after 60 s)")
-    if len({e["digest"] for e in ends}) != 1 or len({e["batch"] for e in ends}) != 1:
-        problems.append(f"the final world's ranks ended differently: {[(e['host'], e['batch'], e['digest']) for e in ends]}")
+    problems += final_problems(ends, workers_at_end)
     summary = {**summarize(records), "seed": seed, "timeout_s": timeout_s, "nodes": nodes,
                "minutes_trained": round(trained_s / 60, 2),
                "final_batch": ends[0]["batch"] if ends else None,

@@ -8,8 +8,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
-from soak import (FAULT_KINDS, FaultBag, feasible_kinds, judge_fault, passed, read_events,  # noqa: E402
-                  summarize, summary_line, world_problems, worlds)
+from soak import (FAULT_KINDS, FaultBag, feasible_kinds, final_problems,  # noqa: E402
+                  judge_fault, passed, read_events, summarize, summary_line, world_problems,
+                  worlds)
 
 TIMEOUT = 10.0
 
@@ -119,6 +120,14 @@ def test_a_world_resuming_before_the_last_commit_loses_steps():
     assert "resumed from batch 4" in record["problems"][0]
 
 
+def test_a_world_resuming_one_past_the_last_recorded_commit_is_whole_but_two_is_not():
+    # one past: the fault cut off the record line of a commit Horovod had saved
+    assert judge_fault(FAULT, two_worlds(resume_batch=7), 30, 2 * TIMEOUT)["survived"]
+    record = judge_fault(FAULT, two_worlds(resume_batch=8), 30, 2 * TIMEOUT)
+    assert not record["survived"] and record["steps_lost"] == 0
+    assert "past world A's last commit (6)" in record["problems"][0]
+
+
 def test_parameters_that_differ_after_the_sync_or_an_average_fail_the_fault():
     record = judge_fault(FAULT, two_worlds(start_digests=("s", "t")), 30, 2 * TIMEOUT)
     assert not record["survived"]
@@ -177,3 +186,12 @@ def test_summary_counts_and_line():
     assert passed({**summarize(records[:1]), "problems": []}, 1)
     assert not passed({**summarize(records[:1]), "problems": ["exit code 1"]}, 1)
     assert not passed({**summarize(records[:1]), "problems": []}, 2)  # fewer injected than asked
+
+
+def test_the_end_needs_every_listed_worker_at_one_batch_with_equal_parameters():
+    ends = [{"event": "end", "world": "W", "host": f"n{r}", "batch": 90, "digest": "d"}
+            for r in range(3)]
+    assert final_problems(ends, 3) == []
+    assert "2 workers ended training (3 listed)" in final_problems(ends[:2], 3)[0]
+    ends[2] = {**ends[2], "digest": "e"}
+    assert "ended differently" in final_problems(ends, 3)[0]
