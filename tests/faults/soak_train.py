@@ -53,6 +53,11 @@ def record(event: str, **fields) -> None:
 
 
 hva.init()
+# This job recovers from a timeout (the elastic reset below), so the watchdog must not end a rank
+# half the timeout after one, its default: the reset can wait longer than that in Horovod's
+# rendezvous for a stalled peer (in a soak at the default the watchdog ended the last survivor
+# there and the job never recovered).
+hva.set_timeout(hva.timeout(), exit_after=None)
 torch.manual_seed(0)  # the same start on every worker; a newcomer takes rank 0's state anyway
 model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
