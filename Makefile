@@ -21,7 +21,7 @@ endif
 MPI4PY_SPEC := mpi4py>=4.1,<5
 WHEELHOUSE_OUT := docker/wheelhouse
 
-.PHONY: install system-packages test test-unit test-multiprocess test-cluster test-slurm demo bench bench-cluster docker wheelhouse clean
+.PHONY: install system-packages test test-unit test-multiprocess test-cluster test-slurm demo bench bench-cluster soak docker wheelhouse clean
 
 install: $(VENV)/.installed
 
@@ -82,6 +82,11 @@ bench: install system-packages
 
 bench-cluster: install system-packages
 	$(PY) bench/run.py --out results/bench --cluster-only
+
+# The fault soak: an elastic job on 4 emulated nodes trained for 10 minutes through 20 faults
+# drawn at random (SOAK_ARGS go to tools/soak.py, e.g. --seed 5); records in results/soak.
+soak: install system-packages
+	$(PY) tools/soak.py --minutes 10 --faults 20 --out results/soak $(SOAK_ARGS)
 
 # Builds the CPU image with docker or podman (offline, from the wheelhouse), runs --check and the
 # demo's fast mode inside it; OCI=path.tar also writes an OCI archive (for Apptainer).

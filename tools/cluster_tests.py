@@ -10,6 +10,9 @@ registered at start-up, MPI with dynamic sets, Gloo), a whole node lost, and a l
 the timeout (then the same with a timeout sized to the link). Each checks how long the whole
 job (launcher and every rank, on every node) took to be over, measured by the processes left
 in the nodes' namespaces, and what the user saw.
+
+Last, the fault soak's short version (tools/soak.py: an elastic job through 5 faults drawn at
+random in 3 minutes; ``make soak`` runs the 10-minute, 20-fault one).
 """
 
 from __future__ import annotations
@@ -394,6 +397,22 @@ def run_head_node(fault: str) -> bool:
                             bound)
 
 
+def run_soak_short() -> bool:
+    """The fault soak (tools/soak.py, ``make soak``) in 3 minutes through 5 faults, a new seed
+    each time (printed, with the per-fault records)."""
+    import secrets
+    from soak import passed, run_soak
+    label = "fault soak, short: 5 faults in 3 minutes, elastic Gloo on 4 nodes"
+    print(f"\n=== {label}", flush=True)
+    with tempfile.TemporaryDirectory() as out:
+        summary = run_soak(BIN, Path(out), minutes=3, faults=5, seed=secrets.randbelow(2**31))
+        ok = passed(summary, 5)
+        if not ok:
+            print((Path(out) / "launcher.log").read_text()[-20000:], flush=True)
+    print(f"=== {'ok' if ok else 'FAILED'}: {label}", flush=True)
+    return ok
+
+
 def run_all(bin_dir: Path, timeout_s: int, log: StageLog) -> None:
     """Every multi-node launch, recorded in ``log``; a machine that cannot emulate nodes fails
     them with its reason."""
@@ -418,3 +437,4 @@ def run_all(bin_dir: Path, timeout_s: int, log: StageLog) -> None:
     log.run("slow link", run_slow_link)
     log.run("elastic across nodes", lambda: run_elastic_nodes(timeout_s))
     log.run("elastic same-size replacement", lambda: run_elastic_replace(timeout_s))
+    log.run("fault soak, short", run_soak_short)
