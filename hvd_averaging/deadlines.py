@@ -131,11 +131,11 @@ class Deadlines:
     def guarded_enqueue(self, what: str) -> Iterator[None]:
         limit = self.timeout()
         stuck_after = limit + watchdog_grace(limit)
-        self.watchdog.arm(stuck_after, _stuck_message(what, stuck_after, limit))
+        token = self.watchdog.arm(stuck_after, _stuck_message(what, stuck_after, limit))
         try:
             yield
         finally:
-            self.watchdog.disarm()
+            self.watchdog.disarm(token)
 
     @contextmanager
     def bounded_collective(self, what: str, nbytes: int = 0,
@@ -143,22 +143,24 @@ class Deadlines:
         limit = self.timeout()
         remaining = limit if started_at is None else max(0.0, started_at + limit - time.monotonic())
         stuck_after = remaining + watchdog_grace(limit)
-        self.watchdog.arm(stuck_after, _stuck_message(what, stuck_after, limit))
+        token = self.watchdog.arm(stuck_after, _stuck_message(what, stuck_after, limit))
         try:
             yield CollectiveRound(what, limit, nbytes, started_at)
         except AveragingTimeoutError:
-            self._after_timeout(what)  # the watchdog stays armed with the grace
+            self._after_timeout(what)  # armed before the round's own deadline is dropped
+            self.watchdog.disarm(token)
             raise
         except BaseException:
-            self.watchdog.disarm()
+            self.watchdog.disarm(token)
             raise
         else:
-            self.watchdog.disarm()
+            self.watchdog.disarm(token)
 
     def _after_timeout(self, what: str) -> None:
+        """Arm the exit after a timeout: a deadline of its own, which no later round's disarm
+        cancels (only the process's end does)."""
         grace = self.exit_after_timeout()
         if grace is None:
-            self.watchdog.disarm()
             return
         self.watchdog.arm(grace, (
             f"hvd_averaging watchdog: {_whoami()} is still running {grace:g} s after "

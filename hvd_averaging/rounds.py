@@ -25,6 +25,7 @@ caught by the timeout.)
 from __future__ import annotations
 
 import time
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Optional
@@ -43,11 +44,11 @@ from .round_book import RoundBook
 from .routes import routes
 from .traffic import count_round, count_seconds
 from .transports import Transfer, Transport
-from .wire import NonFiniteOnWire, WireCodec
+from .wire import NonFiniteOnWire, WireCodec, WireFormat, wire_format
 from .world import current_world
 
-__all__ = ["NonFiniteError", "Round", "begin_round", "settle_timed_out", "abandon_round",
-           "average_tensors", "average_parameters"]
+__all__ = ["NonFiniteError", "Round", "OneShotCodecs", "begin_round", "settle_timed_out",
+           "abandon_round", "average_tensors", "average_parameters"]
 
 
 class NonFiniteError(ValueError):
@@ -265,6 +266,31 @@ def average_tensors(
     count_seconds("global_round_s" if over_all else "local_round_s", time.perf_counter() - began)
 
 
+_MAX_ONE_SHOT_CODECS = 8  # tensor lists whose one-shot residuals are kept, per world
+
+
+class OneShotCodecs:
+    """The codecs of one-shot rounds (:func:`average_parameters`) in a format that keeps state
+    between rounds (int8 with error feedback): one per wire format, process set and tensor list,
+    so that each list's residuals carry to its next round as an averager level's do. The most
+    recently used :data:`_MAX_ONE_SHOT_CODECS` are kept; the tensors are held weakly."""
+
+    def __init__(self) -> None:
+        self._codecs: dict[tuple, tuple[list[weakref.ref], WireCodec]] = {}
+
+    def codec(self, wire: WireFormat, process_set: hvd.ProcessSet,
+              tensors: list[torch.Tensor]) -> WireCodec:
+        key = (wire, process_set.process_set_id, tuple(id(t) for t in tensors))
+        found = self._codecs.pop(key, None)
+        # ids are reused once a tensor is freed: the weak references tell
+        if found is None or not all(ref() is t for ref, t in zip(found[0], tensors)):
+            found = ([weakref.ref(t) for t in tensors], wire.codec())
+        self._codecs[key] = found  # the most recently used last
+        while len(self._codecs) > _MAX_ONE_SHOT_CODECS:
+            self._codecs.pop(next(iter(self._codecs)))
+        return found[1]
+
+
 def average_parameters(params: TensorsLike, process_set: Optional[hvd.ProcessSet] = None, *,
                        check_finite: bool = False, compression=None) -> None:
     """Average parameters (or an optimizer's param groups) over ``process_set`` now, in place.
@@ -273,6 +299,10 @@ def average_parameters(params: TensorsLike, process_set: Optional[hvd.ProcessSet
     (default: Horovod's global set); other ranks return at once. Across nodes with several
     ranks each it averages node-aware; ``compression="fp16"`` halves the bytes on the wire,
     ``"int8"`` quarters them across the link (see :func:`average_tensors`).
+    ``hva.Int8(error_feedback=True)`` keeps each rank's quantization residual per process set
+    and list of parameters (the same objects, in the same order) and adds it to that list's next
+    round, as an averager level does; the residuals of the 8 lists used last are kept (not in
+    any ``state_dict``: an averager's are).
 
     Example::
 
@@ -282,5 +312,10 @@ def average_parameters(params: TensorsLike, process_set: Optional[hvd.ProcessSet
         >>> hva.average_parameters(model.parameters(), compression=hvd.Compression.fp16)
         >>> hva.average_parameters(model.parameters(), compression="int8")
     """
-    average_tensors(collect_parameters(params), process_set, check_finite=check_finite,
-                    compression=compression)
+    tensors = collect_parameters(params)
+    if compression is not None and not isinstance(compression, WireCodec):
+        wire = wire_format(compression)  # ValueError: a bad spelling, on every rank
+        if wire.new_state() is not None:
+            compression = current_world().component(OneShotCodecs).codec(
+                wire, process_set if process_set is not None else hvd.global_process_set, tensors)
+    average_tensors(tensors, process_set, check_finite=check_finite, compression=compression)

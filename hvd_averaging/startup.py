@@ -12,14 +12,18 @@ import warnings
 from typing import Hashable, Optional, Sequence
 
 import horovod.torch as hvd
+import torch
 
-from .deadlines import check_environment
+from .agreement import config_digest
+from .deadlines import bounded_collective, check_environment, exit_after_timeout, timeout
+from .env_settings import SETTINGS, route_policy, settings_disagreement
+from .gather_text import allgather_text
 from .horovod_patch import warn_if_unpatched
 from .placement import mpi_placement, rank_to_node, this_host
 from .topology import static_groups
 from .world import start_world
 
-__all__ = ["init", "elastic_job"]
+__all__ = ["init", "elastic_job", "settings_in_effect", "agree_on_settings"]
 
 
 def elastic_job() -> bool:
@@ -58,6 +62,48 @@ def _placement_before_start(comm) -> tuple[Optional[list[Hashable]], str]:
     return mpi_placement(comm if comm is not None else MPI.COMM_WORLD), ""
 
 
+def settings_in_effect() -> dict[str, str]:
+    """Every ``HVA_*`` setting as this process applies it (after ``hva.set_timeout()``), as text.
+
+    Raises:
+        ValueError: a malformed value (see :func:`~.deadlines.check_environment`).
+    """
+    exit_after = exit_after_timeout()
+    values = {
+        "HVA_TIMEOUT_SECONDS": f"{timeout():g}",
+        "HVA_EXIT_AFTER_TIMEOUT_SECONDS": "never" if exit_after is None else f"{exit_after:g}",
+        "HVA_ROUTE": route_policy(),
+        "HVA_WATCHDOG_RECORD_DIR": os.environ.get("HVA_WATCHDOG_RECORD_DIR") or "",
+    }
+    assert values.keys() == SETTINGS.keys()  # a new setting is listed in env_settings.SETTINGS
+    return {name: repr(value) if value else "(unset)" for name, value in values.items()}
+
+
+def agree_on_settings() -> None:
+    """Compare every ``HVA_*`` setting in effect across all ranks (collective; ``hva.init()``
+    calls it right after Horovod starts, except in elastic jobs, where a joining worker's init
+    is matched by no call on the others). One allgather of a digest per setting; only when
+    some differ, one more of the values that differ, to name them.
+
+    Raises:
+        ValueError: on every rank, naming each setting that differs and which ranks hold which
+            value.
+    """
+    settings = settings_in_effect()
+    names = list(settings)
+    digests = torch.tensor([[config_digest(settings[name]) for name in names]], dtype=torch.int64)
+    with bounded_collective("the HVA_* settings (cross-rank check)") as collective:
+        gathered = collective.wait([hvd.allgather_async(digests, name="hva.settings")])[0]
+    differing = [name for column, name in enumerate(names)
+                 if len(set(gathered[:, column].tolist())) > 1]  # the same list on every rank
+    if not differing:
+        return
+    values = {name: allgather_text(settings[name], name=f"hva.settings.{name}",
+                                   what=f"the values of {name}")
+              for name in differing}
+    raise ValueError(settings_disagreement(values))
+
+
 def init(comm=None, *, group_sizes: Optional[Sequence[int]] = None) -> None:
     """Initialize Horovod so that averagers can have their groups.
 
@@ -84,7 +130,9 @@ def init(comm=None, *, group_sizes: Optional[Sequence[int]] = None) -> None:
     Raises:
         ValueError: ``group_sizes`` is not a list of positive integers, a size does not fit the
             placement, or an ``HVA_*`` environment variable is malformed (raised on every rank,
-            before Horovod starts).
+            before Horovod starts); an ``HVA_*`` setting differs across ranks (raised on every
+            rank right after Horovod starts, naming the setting and the ranks; not in elastic
+            jobs).
 
     Example::
 
@@ -114,6 +162,8 @@ def init(comm=None, *, group_sizes: Optional[Sequence[int]] = None) -> None:
         hvd.init(comm=comm, process_sets=mode)
     else:
         hvd.init(process_sets=mode)
+    if not elastic_job():
+        agree_on_settings()  # ValueError on every rank: a setting differs across ranks
     start_world(comm, placement)
     if placement is None and not elastic_job():
         # Collective like init itself, so traffic counters know which sets cross nodes. Not in

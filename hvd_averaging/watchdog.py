@@ -16,6 +16,7 @@ otherwise hang in Horovod's or MPI's shutdown at exit.
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -41,13 +42,18 @@ def _openmpi_launcher_pid() -> int:
 
 class Watchdog:
     """One helper process per Python process, started on first use; ``arm``/``disarm`` cost one
-    small pipe write each."""
+    small pipe write each.
+
+    Deadlines are independent: each :meth:`arm` returns a token that only :meth:`disarm` with
+    that token cancels, so a collective's disarm never cancels the exit armed after an earlier
+    timeout. The earliest pending deadline ends the process."""
 
     def __init__(self) -> None:
         self._process: Optional[subprocess.Popen] = None
         self._pipe: Optional[int] = None
         self._owner_pid: Optional[int] = None
         self._warned = False  # said once that the helper could not start
+        self._tokens = itertools.count(1)
 
     def _ensure_started(self) -> bool:
         if self._process is not None and self._owner_pid == os.getpid() \
@@ -86,14 +92,17 @@ class Watchdog:
         except OSError:
             self._pipe = None
 
-    def arm(self, seconds: float, message: str) -> None:
-        """End this process ``seconds`` from now, writing ``message``, unless :meth:`disarm` or
-        another :meth:`arm` comes first."""
+    def arm(self, seconds: float, message: str) -> int:
+        """End this process ``seconds`` from now, writing ``message``, unless :meth:`disarm` with
+        the returned token comes first. Other deadlines armed meanwhile do not replace this one."""
+        token = next(self._tokens)
         if self._ensure_started():
             flat = " ".join(message.split())
-            self._send(f"arm {seconds:.3f} {flat}\n")
+            self._send(f"arm {token} {seconds:.3f} {flat}\n")
+        return token
 
-    def disarm(self) -> None:
+    def disarm(self, token: int) -> None:
+        """Cancel the deadline :meth:`arm` returned ``token`` for (others stay armed)."""
         if self._process is not None and self._owner_pid == os.getpid():
-            self._send("disarm\n")
+            self._send(f"disarm {token}\n")
 

@@ -6,14 +6,21 @@ starts in milliseconds and imports neither torch nor Horovod), in a session of i
 a launcher stopping the rank's process group does not stop it too. It reads lines from the
 pipe ``FD``:
 
-* ``arm SECONDS MESSAGE``: if no other line arrives within SECONDS, write MESSAGE to stderr
-  (the rank's own stderr, which the launcher forwards) and end the parent: SIGTERM, then
-  SIGKILL two seconds later if it is still there; then end the launcher (below);
-* ``disarm``: forget the deadline.
+* ``arm TOKEN SECONDS MESSAGE``: a deadline SECONDS from now under TOKEN (an integer);
+* ``disarm TOKEN``: forget that deadline (the others stay).
+
+When the earliest pending deadline passes, the watchdog writes its MESSAGE to stderr (the rank's
+own stderr, which the launcher forwards) and ends the parent: SIGTERM, then SIGKILL two seconds
+later if it is still there; then it ends the launcher (below). Deadlines are kept apart so that a
+round's disarm cannot cancel the exit armed after an earlier timeout.
 
 Where ``HVA_WATCHDOG_RECORD_DIR`` names a folder, the watchdog also leaves there, before it ends
 the parent, ``watchdog-PID.json``: the parent's pid, the message and the time. A job script
-reads it where the rank's stderr never reaches the launcher (a node behind a cut link).
+reads it where the rank's stderr never reaches the launcher (a node behind a cut link). The
+folder may be shared and writable by others, so the record is written to a new file of an
+unguessable name opened with ``O_CREAT|O_EXCL|O_NOFOLLOW`` (a planted symlink cannot redirect
+the write) and then renamed over ``watchdog-PID.json`` (a rename replaces a link planted there,
+it does not follow it).
 
 End of file on the pipe means the parent is gone. If a deadline was armed (the parent died
 during a collective or after a timeout), the watchdog lets go of the rank's stderr (a launcher
@@ -47,10 +54,12 @@ def _leave_record(parent: int, message: str) -> None:
     if not folder:
         return
     path = os.path.join(folder, f"watchdog-{parent}.json")
+    partial = f"{path}.{os.urandom(8).hex()}.partial"
     try:
-        with open(path + ".partial", "w") as record:
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "w") as record:
             json.dump({"pid": parent, "message": message, "time": time.time()}, record)
-        os.replace(path + ".partial", path)
+        os.replace(partial, path)
     except OSError as error:
         sys.stderr.write(f"hvd_averaging watchdog: cannot write {path}: {error}\n")
 
@@ -83,10 +92,13 @@ def main(parent: int, fd: int, launcher: int) -> int:
     parent_started = _start_time(parent)
     launcher_started = _start_time(launcher) if launcher else ""
     pending = b""
-    deadline = None
+    deadlines = {}  # token -> (monotonic deadline, message)
     message = ""
     parent_gone = False
     while True:
+        deadline = None
+        if deadlines:
+            deadline, message = min(deadlines.values())
         wait = None if deadline is None else max(0.0, deadline - time.monotonic())
         if parent_gone:
             time.sleep(wait)
@@ -115,12 +127,11 @@ def main(parent: int, fd: int, launcher: int) -> int:
         pending += chunk
         *lines, pending = pending.split(b"\n")
         for line in lines:
-            words = line.decode("utf-8", "replace").split(" ", 2)
-            if words[0] == "arm" and len(words) == 3:
-                deadline = time.monotonic() + float(words[1])
-                message = words[2]
-            elif words[0] == "disarm":
-                deadline = None
+            words = line.decode("utf-8", "replace").split(" ", 3)
+            if words[0] == "arm" and len(words) == 4:
+                deadlines[words[1]] = (time.monotonic() + float(words[2]), words[3])
+            elif words[0] == "disarm" and len(words) == 2:
+                deadlines.pop(words[1], None)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from typing import Sequence
 import horovod.torch as hvd
 import torch
 
-from hvd_averaging.deadlines import blocking_call, bounded_collective
+from hvd_averaging.deadlines import blocking_call, bounded_collective, guarded_enqueue
 
 __all__ = ["barrier", "allreduce", "PendingMax", "allgather_rows"]
 
@@ -30,12 +30,14 @@ def allreduce(tensor: torch.Tensor, op, name: str, what: str) -> torch.Tensor:
 
 class PendingMax:
     """The largest ``value`` over all ranks, launched now and read later (:meth:`result`), so
-    that nobody waits for it while it travels. Every rank launches it at the same point."""
+    that nobody waits for it while it travels. Every rank launches it at the same point; the
+    launch is bounded by the watchdog (Horovod can block an enqueue), the wait by polling."""
 
     def __init__(self, value: float, name: str):
         self._launched = time.monotonic()
-        self._handle = hvd.allreduce_async(torch.tensor([value], dtype=torch.float64),
-                                           op=hvd.Max, name=name)
+        with guarded_enqueue("the race's clock agreement (enqueue)"):
+            self._handle = hvd.allreduce_async(torch.tensor([value], dtype=torch.float64),
+                                               op=hvd.Max, name=name)
 
     def result(self) -> float:
         """The agreed value, bounded by ``hva.timeout()`` counted from the launch."""

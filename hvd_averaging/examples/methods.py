@@ -21,6 +21,7 @@ import horovod.torch as hvd
 import torch
 
 import hvd_averaging as hva
+from hvd_averaging.deadlines import blocking_call, guarded_enqueue
 from hvd_averaging.examples.race import Trainer
 from hvd_averaging.examples.settings import default_node_period
 
@@ -155,9 +156,13 @@ class BaselineTrainer(Trainer):
                                             compression=compression)
 
     def step(self, x, y):
-        loss, computed = _forward_backward(self.opt, self.task, self.model, x, y)
+        # backward enqueues the gradient allreduces (an enqueue Horovod can block) and
+        # synchronize() waits on them with no handle this code may poll: the watchdog bounds both
+        with guarded_enqueue("the baseline's backward (enqueues its gradient allreduces)"):
+            loss, computed = _forward_backward(self.opt, self.task, self.model, x, y)
         waited = time.perf_counter()
-        self.opt.synchronize()
+        with blocking_call("the baseline's synchronize() (its gradient allreduces)"):
+            self.opt.synchronize()
         began = time.perf_counter()
         waited = began - waited
         with self.opt.skip_synchronize():

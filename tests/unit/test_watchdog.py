@@ -11,9 +11,9 @@ CHILD = """
 import sys, time
 from hvd_averaging.watchdog import Watchdog
 dog = Watchdog()
-dog.arm(float(sys.argv[1]), "blocked: test round at step 7")
+token = dog.arm(float(sys.argv[1]), "blocked: test round at step 7")
 if sys.argv[2] == "disarm":
-    dog.disarm()
+    dog.disarm(token)
 print("armed", flush=True)
 time.sleep(float(sys.argv[3]))
 print("woke up", flush=True)
@@ -89,8 +89,7 @@ def test_a_watchdog_that_cannot_start_warns_once_naming_why(monkeypatch):
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        dog.arm(5.0, "another round")  # said once: no second warning
-        dog.disarm()
+        dog.disarm(dog.arm(5.0, "another round"))  # said once: no second warning
 
 
 @pytest.mark.parametrize("variable,value", [("HVA_EXIT_AFTER_TIMEOUT_SECONDS", "soon"),
@@ -111,3 +110,102 @@ def test_malformed_settings_fail_at_init_naming_variable_and_value(variable, val
     rule = {"HVA_WATCHDOG_RECORD_DIR": "existing folder",
             "HVA_ROUTE": "must be one of 'measure'"}.get(variable, "number of seconds")
     assert rule in proc.stderr
+
+
+SEPARATE_DEADLINES_CHILD = """
+import time
+import hvd_averaging as hva
+from hvd_averaging.deadlines import AveragingTimeoutError, bounded_collective, guarded_enqueue
+hva.set_timeout(30, exit_after=1.5)
+try:
+    with bounded_collective("test round at step 3"):
+        raise AveragingTimeoutError("test round at step 3: not finished")
+except AveragingTimeoutError:
+    pass
+with guarded_enqueue("the next round's enqueue"):  # its disarm must leave the exit armed
+    pass
+print("went on", flush=True)
+time.sleep(30)
+print("woke up", flush=True)
+"""
+
+
+def test_a_later_disarm_leaves_the_exit_after_a_timeout_armed():
+    """After an AveragingTimeoutError the process has exit_after seconds; a collective that
+    arms and disarms its own deadline meanwhile must not cancel that exit. At the commit before
+    this test the watchdog had one deadline slot: the enqueue's disarm cancelled the exit and
+    the process woke up 30 s later."""
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", SEPARATE_DEADLINES_CHILD], capture_output=True,
+                          text=True, timeout=60)
+    assert "went on" in proc.stdout and "woke up" not in proc.stdout, (proc.stdout, proc.stderr)
+    assert proc.returncode == -15, (proc.returncode, proc.stderr)
+    assert "still running 1.5 s after AveragingTimeoutError in test round at step 3" in proc.stderr
+    assert time.monotonic() - start < 20
+
+
+def test_deadlines_are_kept_apart_and_the_earliest_ends_the_process():
+    child = """
+import time
+from hvd_averaging.watchdog import Watchdog
+dog = Watchdog()
+dog.arm(1.0, "the first deadline")
+later = dog.arm(30.0, "a later deadline")
+dog.disarm(later)
+dog.disarm(dog.arm(0.2, "a third, disarmed at once"))
+time.sleep(30)
+print("woke up", flush=True)
+"""
+    proc = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -15 and "woke up" not in proc.stdout, (proc.returncode, proc.stderr)
+    assert "the first deadline" in proc.stderr
+    assert "a later deadline" not in proc.stderr and "a third" not in proc.stderr
+
+
+PLANTED_CHILD = """
+import sys, time
+from hvd_averaging.watchdog import Watchdog
+import os
+print(os.getpid(), flush=True)
+sys.stdin.readline()  # the symlinks are planted meanwhile
+Watchdog().arm(0.5, "blocked: the round the record is for")
+time.sleep(30)
+"""
+
+
+def test_a_planted_symlink_cannot_redirect_the_watchdog_record(tmp_path):
+    """HVA_WATCHDOG_RECORD_DIR may be a folder others can write to. Symlinks planted there under
+    the record's name and under the name its partial file had must not make the watchdog write
+    through them: the victim files keep their contents (or stay absent) and the record is a
+    file of its own. At the commit before this test the partial file was opened following
+    symlinks: the victim was overwritten with the record."""
+    import json
+    import os
+    shared, elsewhere = tmp_path / "shared", tmp_path / "elsewhere"
+    shared.mkdir()
+    elsewhere.mkdir()
+    victim = elsewhere / "victim.txt"
+    victim.write_text("precious")
+    proc = subprocess.Popen([sys.executable, "-c", PLANTED_CHILD], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, HVA_WATCHDOG_RECORD_DIR=str(shared)))
+    try:
+        pid = int(proc.stdout.readline())
+        record_path = shared / f"watchdog-{pid}.json"
+        (shared / f"watchdog-{pid}.json.partial").symlink_to(victim)
+        record_path.symlink_to(elsewhere / "created-through-a-link.json")
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -15, (proc.returncode, stderr)
+    assert victim.read_text() == "precious"
+    assert not (elsewhere / "created-through-a-link.json").exists()
+    assert record_path.is_file() and not record_path.is_symlink()
+    record = json.loads(record_path.read_text())
+    assert record["pid"] == pid and record["message"] == "blocked: the round the record is for"
+    # nothing else left behind: no partial file of the watchdog's own
+    assert sorted(os.listdir(shared)) == sorted([record_path.name, f"watchdog-{pid}.json.partial"])
+    assert os.listdir(elsewhere) == ["victim.txt"]
