@@ -69,7 +69,7 @@ def test_interrupted_wait_leaves_what_is_saved_and_the_parameters_whole(world, r
     rank: their except block saves; then the late rank completes the round. The saved copy and
     the parameters afterwards hold every element from before the round (at the commit before
     this test the saved copy was whole but the late average overwrote the parameters
-    afterwards: 255,999 of parameter #0's 256,000 elements, all but the one it leaves equal);
+    afterwards: the test fails there on the interrupted rank);
     the memory the abandoned round holds is stated, then let go by the next round, which
     averages every rank's values element for element."""
     late = world - 1
