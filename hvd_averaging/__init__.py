@@ -16,18 +16,24 @@ Layers, each importing only the ones before it (the README's layout lists what e
 - when: ``schedule`` (pure), ``membership`` (an averager's process sets per level, following
   the world), ``levels`` (each level's wire format and rounds in flight), ``averagers``,
   ``hierarchical``;
-- training integration: ``optim`` (post-local SGD), ``outer_optimizers`` and ``outer_schedules``
-  (what the outer step runs), ``outer`` (DiLoCo), ``elastic``;
+- training integration: ``loading`` (a checkpoint file read on every rank),
+  ``state_creation`` (steps that only create an optimizer's state), ``optim`` (the wrapper),
+  ``post_local`` (post-local SGD), ``outer_optimizers`` and ``outer_schedules``
+  (what the outer step runs), ``diloco_start`` (its starting point), ``outer`` (DiLoCo),
+  ``elastic``;
 - ``examples``.
 """
 
+from . import elastic as _elastic  # noqa: F401  (registers the handlers with TorchState)
 from .averagers import ModelAverager, PeriodicModelAverager
 from .deadlines import AveragingTimeoutError, set_timeout, timeout
 from .hierarchical import HierarchicalModelAverager
-from .optim import PostLocalSGD, PostLocalSGDOptimizer
+from .loading import load_checkpoint
+from .optim import PostLocalSGDOptimizer
 from .outer import DiLoCo
 from .outer_optimizers import default_outer_optimizer, slowmo_outer_optimizer
 from .outer_schedules import OuterMomentumWarmup
+from .post_local import PostLocalSGD
 from .process_sets import local_process_set, process_set
 from .rounds import NonFiniteError, average_parameters
 from .startup import init
@@ -44,6 +50,7 @@ __all__ = [
     "PostLocalSGDOptimizer",
     "PostLocalSGD",
     "DiLoCo",
+    "load_checkpoint",
     "default_outer_optimizer",
     "OuterMomentumWarmup",
     "slowmo_outer_optimizer",

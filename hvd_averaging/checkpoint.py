@@ -12,13 +12,18 @@ PostLocalSGD's ``"iteration"`` beside it.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import Any, NamedTuple, Optional
 
 import torch
 
 __all__ = ["WrapperState", "split_wrapper_state", "non_finite_error", "step_error",
-           "optimizer_state_error", "averager_state_error", "tensors_error"]
+           "optimizer_state_error", "optimizer_trial_error", "schedule_trial_error",
+           "averager_state_error", "tensors_error"]
+
+# Adafactor's factored second moments: per-parameter state that is not shaped like the parameter.
+_NOT_PARAMETER_SHAPED = frozenset({"row_var", "col_var"})
 
 
 class WrapperState(NamedTuple):
@@ -88,11 +93,77 @@ def optimizer_state_error(optimizer: torch.optim.Optimizer, state: Mapping,
         if count != len(group["params"]):
             return ValueError(f"{where}: parameter group #{index} has {count} parameters, the "
                               f"optimizer's has {len(group['params'])}")
+    params = [p for group in own for p in group["params"]]
     for key, per_param in state["state"].items():
         if isinstance(per_param, Mapping):
-            error = non_finite_error(f"{where}['state'][{key!r}]", per_param)
+            error = non_finite_error(f"{where}['state'][{key!r}]", per_param) \
+                or _state_shape_error(f"{where}['state'][{key!r}]", per_param,
+                                      params[key] if isinstance(key, int) and 0 <= key < len(params) else None,
+                                      optimizer)
             if error is not None:
                 return error
+    return None
+
+
+def _state_shape_error(where: str, per_param: Mapping, param: Optional[torch.Tensor],
+                       optimizer: torch.optim.Optimizer) -> Optional[ValueError]:
+    """A state tensor that is not shaped like what it belongs to: the shape the optimizer's own
+    state has under that name, else (a fresh optimizer) the parameter's shape for every tensor
+    that is not a scalar (PyTorch's load takes any shape and fails at the next step, or not at all
+    and broadcasts wrongly)."""
+    if param is None:
+        return None
+    own = optimizer.state.get(param, {})
+    for name, value in per_param.items():
+        if not isinstance(value, torch.Tensor) or value.dim() == 0:
+            continue
+        held = own.get(name)
+        expected = tuple(held.shape) if isinstance(held, torch.Tensor) else \
+            (None if name in _NOT_PARAMETER_SHAPED else tuple(param.shape))
+        if expected is not None and tuple(value.shape) != expected:
+            return ValueError(f"{where}[{name!r}] has shape {tuple(value.shape)}, the parameter's "
+                              f"state needs {expected}: the checkpoint is of another model")
+    return None
+
+
+def optimizer_trial_error(optimizer: torch.optim.Optimizer, state: Mapping,
+                          where: str = "the optimizer state") -> Optional[ValueError]:
+    """What ``optimizer.load_state_dict(state)`` raises, found by loading ``state`` into a
+    shallow copy of ``optimizer`` (the same parameters, a state and groups of its own): local,
+    ``optimizer`` itself unchanged. Memory: one more copy of the loaded state, until return."""
+    trial = copy.copy(optimizer)
+    trial.state = type(optimizer.state)() if isinstance(optimizer.state, dict) else {}
+    trial.param_groups = [dict(group) for group in optimizer.param_groups]
+    try:
+        trial.load_state_dict(state)
+    except Exception as bad:  # noqa: BLE001  (any failure of the real load is this rank's error)
+        return ValueError(f"{where} does not load into {type(optimizer).__name__}: "
+                          f"{type(bad).__name__}: {bad}")
+    return None
+
+
+def schedule_trial_error(schedule: Any, state: Any, where: str) -> Optional[ValueError]:
+    """What ``schedule.load_state_dict(state)`` would raise, or a state of another kind of
+    schedule (its keys are not the schedule's own), found on a copy whose optimizer is a stand-in
+    with groups of its own (the parameters shared): local, ``schedule`` and its optimizer
+    unchanged."""
+    own = schedule.state_dict()
+    if isinstance(own, Mapping) and (not isinstance(state, Mapping) or set(state) != set(own)):
+        got = sorted(state) if isinstance(state, Mapping) else type(state).__name__
+        return ValueError(f"{where} is not a {type(schedule).__name__}'s state: it holds {got}, "
+                          f"a {type(schedule).__name__} saves {sorted(own)}")
+    optimizer = getattr(schedule, "optimizer", None)
+    memo = {}
+    if isinstance(optimizer, torch.optim.Optimizer):  # a schedule may set its groups on load
+        stand_in = copy.copy(optimizer)
+        stand_in.param_groups = [dict(group) for group in optimizer.param_groups]
+        memo[id(optimizer)] = stand_in
+    try:
+        trial = copy.deepcopy(schedule, memo)
+        trial.load_state_dict(copy.deepcopy(state))
+    except Exception as bad:  # noqa: BLE001
+        return ValueError(f"{where} does not load into {type(schedule).__name__}: "
+                          f"{type(bad).__name__}: {bad}")
     return None
 
 
@@ -105,9 +176,11 @@ def _section(state: Mapping, key: str) -> tuple[Mapping, Optional[ValueError]]:
 
 
 def averager_state_error(state: Mapping, delays: Mapping[int, int],
-                         levels_with_state: set) -> Optional[ValueError]:
+                         levels_with_state: Mapping) -> Optional[ValueError]:
     """What an averager's :meth:`load_state_dict` would reject: the step, a round in flight that
-    does not fit ``delays`` at that step, NaN/Inf in its snapshot or in a wire residual."""
+    does not fit ``delays`` at that step, NaN/Inf in its snapshot, a wire residual that is not a
+    finite floating-point tensor or not shaped like the one the level keeps under that name
+    (``levels_with_state``: ``{level: {name: shape}}`` of the levels that keep residuals)."""
     if not isinstance(state, Mapping):
         return ValueError(f"an averager state must be a dict, got {type(state).__name__}")
     return (step_error(state.get("step")) or _in_flight_error(state, delays)
@@ -140,8 +213,21 @@ def _wire_error(state: Mapping, levels_with_state: set) -> Optional[ValueError]:
         if not isinstance(residuals, Mapping):
             return ValueError(f"state_dict['wire'][{level!r}] must be a dict of residuals")
         if level in levels_with_state:  # else: saved with error feedback, loaded without
-            error = non_finite_error(f"state_dict['wire'][{level!r}]['residuals']", residuals)
+            error = _residuals_error(f"state_dict['wire'][{level!r}]['residuals']", residuals,
+                                     levels_with_state[level])
     return error
+
+
+def _residuals_error(where: str, residuals: Mapping, kept: Mapping) -> Optional[ValueError]:
+    for name, value in residuals.items():
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+            return ValueError(f"{where}[{name!r}] must be a floating-point tensor, got "
+                              f"{type(value).__name__}")
+        shape = kept.get(name)
+        if shape is not None and tuple(value.shape) != tuple(shape):
+            return ValueError(f"{where}[{name!r}] has shape {tuple(value.shape)}, this level keeps "
+                              f"{tuple(shape)} there: the checkpoint is of another model")
+    return non_finite_error(where, residuals)
 
 
 def tensors_error(where: str, saved: Any, own: list[torch.Tensor]) -> Optional[ValueError]:

@@ -120,8 +120,10 @@ class LevelRounds:
 
     def state_error(self, state: Mapping[str, Any]) -> Optional[ValueError]:
         """What :meth:`load_state_dict` would reject in an averager's ``state`` (local)."""
-        return averager_state_error(state, self._delayed.delays,
-                                    {level for level, c in self.codecs.items() if c.keeps_state})
+        kept = {level: {name: tuple(value.shape) for name, value in
+                        (c.state_dict().get("residuals") or {}).items()}
+                for level, c in self.codecs.items() if c.keeps_state}
+        return averager_state_error(state, self._delayed.delays, kept)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Put in place a state :meth:`state_error` accepted on every rank."""

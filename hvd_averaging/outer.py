@@ -31,12 +31,15 @@ import torch
 
 from .agreement import check_same_on_all_ranks, config_digest, tensor_digest
 from .averagers import ModelAverager
+from .diloco_start import check_global_copy_shared, start_extras
 from .broadcast import broadcast_from_first_member
-from .checkpoint import optimizer_state_error, tensors_error
-from .optim import PostLocalSGDOptimizer, called_to_initialize_state
+from .checkpoint import optimizer_state_error, optimizer_trial_error, schedule_trial_error, \
+    tensors_error
+from .optim import PostLocalSGDOptimizer
 from .outer_optimizers import outer_optimizer_and_schedule
 from .params import collect_parameters
 from .startup import elastic_job
+from .world import current_world
 
 __all__ = ["DiLoCo"]
 
@@ -60,6 +63,10 @@ class DiLoCo(PostLocalSGDOptimizer):
             :class:`~hvd_averaging.OuterMomentumWarmup` (Pier's momentum warm-up) or any of
             PyTorch's LR schedulers (e.g. ``LambdaLR`` on the outer learning rate).
         buffers, grad_scaler: as in :class:`~hvd_averaging.PostLocalSGDOptimizer`.
+        model: optional ``torch.nn.Module``: the starting point then covers everything in its
+            ``state_dict()`` as DDP's does, frozen parameters and buffers (BatchNorm running
+            statistics, their counters) included, not only the optimizer's parameters; the
+            ``buffers`` passed are covered in any case.
         global_on_cpu: keep the global copy (and the outer optimizer's state) in CPU memory, for
             GPU training where device memory is tight; the outer step then runs on the CPU.
 
@@ -77,9 +84,13 @@ class DiLoCo(PostLocalSGDOptimizer):
 
     One starting point: construction is collective over all ranks, and every member of the
     averager's set takes the first member's parameters (rank 0's for all ranks), bit for bit, as
-    DDP does at construction; the global copy starts from them. (In elastic jobs
-    ``DiLoCoStateHandler`` broadcasts rank 0's state instead.) ``load_state_dict`` compares a
-    digest of the loaded global copy across ranks.
+    DDP does at construction, with the ``buffers`` and, given ``model``, its whole
+    ``state_dict()`` (frozen parameters too); the global copy starts from them. In elastic jobs
+    ``DiLoCoStateHandler`` (``hvd.elastic.TorchState(..., diloco=opt)``) broadcasts rank 0's
+    state instead; a DiLoCo that no handler synced compares a digest of its global copy across
+    the set at its first top-level step in each world and raises ``RuntimeError`` with that
+    recipe if they differ. ``load_state_dict`` compares a digest of the loaded global copy
+    across ranks.
 
     Raises:
         TypeError: ``optim``, ``averager``, ``outer_optimizer`` or ``outer_scheduler`` (or what
@@ -104,10 +115,14 @@ class DiLoCo(PostLocalSGDOptimizer):
                  outer_optimizer: Optional[Callable[[list], torch.optim.Optimizer]] = None,
                  outer_scheduler: Optional[Callable[[torch.optim.Optimizer], Any]] = None,
                  buffers: Optional[Iterable[torch.Tensor]] = None,
-                 grad_scaler: Optional[Any] = None, global_on_cpu: bool = False):
+                 grad_scaler: Optional[Any] = None, global_on_cpu: bool = False,
+                 model: Optional[torch.nn.Module] = None):
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         super().__init__(optim, averager, buffers=buffers, grad_scaler=grad_scaler)
         self._params = [p for group in optim.param_groups for p in group["params"]]
         self.global_on_cpu = bool(global_on_cpu)
+        self._shared_start_world: Optional[int] = None  # the world whose ranks share the copy
         with torch.no_grad():  # values again below, once the ranks share one starting point
             self.global_parameters = [
                 torch.nn.Parameter(p.detach().to("cpu" if global_on_cpu else p.device, copy=True))
@@ -124,11 +139,13 @@ class DiLoCo(PostLocalSGDOptimizer):
                                     local_error=error, name="hva.agree.DiLoCo")
             # One starting point, as DDP and torchft have: every rank takes the first member's
             # parameters, so that the global copy, and what is averaged against it, agree.
-            broadcast_from_first_member(self._params, averager.process_set,
-                                        what="DiLoCo's starting point", name="hva.diloco.start")
+            broadcast_from_first_member(self._params + start_extras(self._params, self.buffers, model),
+                                        averager.process_set, what="DiLoCo's starting point",
+                                        name="hva.diloco.start")
             with torch.no_grad():
                 for param, global_ in zip(self._params, self.global_parameters):
                     global_.copy_(param)
+            self.confirm_shared_start()
         elif error is not None:
             raise error
         self.overlapped = bool(averager.level_delays.get(averager.top_level, 0))
@@ -138,10 +155,12 @@ class DiLoCo(PostLocalSGDOptimizer):
 
     def step(self, closure=None):
         """Inner step; then the averager's round, and at its top level the outer step (not when
-        ``hvd.broadcast_optimizer_state`` calls it to create the state: then the inner step only)."""
+        the step only creates the state, :meth:`initialize_state`: then the inner step only)."""
+        if self._creating_state():
+            return self._state_creation_step(closure)
         loss = self._inner_step(closure)
-        if called_to_initialize_state():
-            return loss
+        if self.averager.level_at(self.averager.step) == self.averager.top_level:
+            self._check_shared_start()
         # overlapped, the outer step runs inside the averager, when the delayed round is applied
         outer = not self.overlapped and \
             self.averager.level_at(self.averager.step) == self.averager.top_level
@@ -163,6 +182,18 @@ class DiLoCo(PostLocalSGDOptimizer):
             for key, global_ in self._outer_step(taken).items():
                 taken[key].copy_(global_)
         return loss
+
+    def confirm_shared_start(self) -> None:
+        """Record that every rank of the current world holds the same global copy (the
+        construction's broadcast, an agreed ``load_state_dict``, ``DiLoCoStateHandler``'s sync)."""
+        self._shared_start_world = current_world().generation
+
+    def _check_shared_start(self) -> None:
+        """At the first top-level step of a world in which nothing made the global copy the
+        same on every rank (an elastic job whose DiLoCo no ``TorchState`` holds)."""
+        if self._shared_start_world != current_world().generation:
+            check_global_copy_shared(self.global_parameters, self.averager.process_set)
+            self.confirm_shared_start()
 
     @torch.no_grad()
     def _outer_step(self, progress: dict) -> dict:
@@ -241,6 +272,13 @@ class DiLoCo(PostLocalSGDOptimizer):
         state_error = getattr(self.outer_scheduler, "state_error", None)
         return state_error(saved) if callable(state_error) else None
 
+    def _trial_own_state(self, state_dict: dict) -> Optional[ValueError]:
+        saved = state_dict.get("outer_scheduler")
+        return optimizer_trial_error(self.outer_optimizer, state_dict["outer_optimizer"],
+                                     "the outer optimizer's state") or \
+            (schedule_trial_error(self.outer_scheduler, saved, "state_dict['outer_scheduler']")
+             if self.outer_scheduler is not None else None)
+
     def _own_state_digest(self, state_dict: dict) -> int:
         # Ranks that load different global copies would average progress against different
         # points and drift apart without any error.
@@ -255,4 +293,5 @@ class DiLoCo(PostLocalSGDOptimizer):
         self.outer_optimizer.load_state_dict(state_dict["outer_optimizer"])
         if self.outer_scheduler is not None:
             self.outer_scheduler.load_state_dict(state_dict["outer_scheduler"])
+        self.confirm_shared_start()  # the ranks agreed on its digest
 

@@ -208,8 +208,9 @@ ELASTIC_BATCHES = 41  # tests/faults/elastic_shrink.py's
 
 def elastic_shrink_problems(records: Path) -> list[str]:
     """The final world's records (tests/faults/elastic_shrink.py): 3 ranks, each with the
-    averagers' steps equal to the batch count and the hierarchy refit to 3 ranks, and the
-    parameters, DiLoCo's parameters and global copies bit-identical across the ranks."""
+    averagers' and wrappers' steps equal to the batch count and the hierarchy refit to 3 ranks,
+    and the parameters, DiLoCo's parameters and global copies and the wrappers' parameters
+    bit-identical across the ranks (the last step, 40, averages at every averager)."""
     found = {int(p.stem.rsplit("rank", 1)[1]): json.loads(p.read_text())
              for p in records.glob("final-rank*.json")}
     if sorted(found) != [0, 1, 2]:
@@ -221,7 +222,11 @@ def elastic_shrink_problems(records: Path) -> list[str]:
                             f"{r['diloco_step']} (expected 3, {ELASTIC_BATCHES})")
         if r["levels"] != {"2": 1, "4": 3} or r["resets"] < 1:
             problems.append(f"rank {rank}: levels {r['levels']}, resets {r['resets']}")
-    for digest in ("parameters_digest", "outer_parameters_digest", "global_copy_digest"):
+        if r.get("wrapper_steps") != [ELASTIC_BATCHES, ELASTIC_BATCHES]:
+            problems.append(f"rank {rank}: PostLocalSGDOptimizer/PostLocalSGD steps "
+                            f"{r.get('wrapper_steps')} (expected {ELASTIC_BATCHES} each)")
+    for digest in ("parameters_digest", "outer_parameters_digest", "global_copy_digest",
+                   "wrapper_parameters_digest"):
         if len({r[digest] for r in found.values()}) != 1:
             problems.append(f"{digest} differs across ranks")
     return problems

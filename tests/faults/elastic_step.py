@@ -15,7 +15,8 @@ def train_step(model, optimizer, averager, batch: int) -> None:
 
 
 def train_step_diloco(model, diloco, batch: int) -> None:
-    """This rank's data for ``batch`` and one DiLoCo step (inner step; the outer step when due)."""
+    """This rank's data for ``batch`` and one wrapper step (DiLoCo: inner step, the outer step
+    when due; PostLocalSGDOptimizer, PostLocalSGD: inner step, averaging when due)."""
     torch.manual_seed(1000 * hvd.rank() + batch)
     diloco.zero_grad()
     model(torch.randn(4, 8)).square().mean().backward()

@@ -3,8 +3,11 @@ finds what it must before anything is applied (pure logic, one process)."""
 import pytest
 import torch
 
+import copy
+
 from hvd_averaging.checkpoint import (averager_state_error, non_finite_error,
-                                      optimizer_state_error, split_wrapper_state, step_error,
+                                      optimizer_state_error, optimizer_trial_error,
+                                      schedule_trial_error, split_wrapper_state, step_error,
                                       tensors_error)
 
 
@@ -69,9 +72,86 @@ def test_averager_state_checks_rounds_in_flight_and_residuals():
     nan = {**snapshot, "snapshots": [torch.tensor([0.0, float("nan")])]}
     assert "NaN/Inf" in str(averager_state_error({"step": 9, "in_flight": {4: nan}}, delays, set()))
     residual = {"residuals": {"params.float32": torch.tensor([float("inf")])}}
-    assert "NaN/Inf" in str(averager_state_error({"step": 9, "wire": {4: residual}}, delays, {4}))
+    assert "NaN/Inf" in str(averager_state_error({"step": 9, "wire": {4: residual}}, delays, {4: {}}))
     # saved with error feedback, loaded without: not this averager's state to check
-    assert averager_state_error({"step": 9, "wire": {4: residual}}, delays, set()) is None
+    assert averager_state_error({"step": 9, "wire": {4: residual}}, delays, {}) is None
+
+
+@pytest.mark.parametrize("value, match", [
+    ([0.5, 0.25], "must be a floating-point tensor, got list"),
+    (torch.tensor([1, 2]), "must be a floating-point tensor, got Tensor"),
+    (torch.zeros(5), r"has shape \(5,\), this level keeps \(4,\) there"),
+])
+def test_residuals_must_be_float_tensors_shaped_as_kept(value, match):
+    """A residual that is no tensor (torch.as_tensor took a list before) or of another shape
+    than the level keeps under its name (Residuals.get dropped it silently) is refused."""
+    state = {"step": 9, "wire": {4: {"residuals": {"0.sent": value}}}}
+    assert averager_state_error(state, {}, {4: {"0.sent": (4,)}}) is not None
+    assert __import__("re").search(match, str(averager_state_error(state, {}, {4: {"0.sent": (4,)}})))
+    fits = {"step": 9, "wire": {4: {"residuals": {"0.sent": torch.zeros(4)}}}}
+    assert averager_state_error(fits, {}, {4: {"0.sent": (4,)}}) is None
+    assert averager_state_error(fits, {}, {4: {}}) is None  # nothing kept yet: any shape
+
+
+def adam_state():
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_trial_load_finds_what_the_real_load_raises_and_changes_nothing():
+    """An Adam state without its per-parameter "step" passes the count checks but fails in
+    Adam's own load (KeyError): the trial finds it on a copy, and the optimizer keeps its state."""
+    model, opt = adam_state()
+    saved = copy.deepcopy(opt.state_dict())
+    before = copy.deepcopy(opt.state_dict())
+    assert optimizer_trial_error(opt, saved) is None
+    del saved["state"][0]["step"]
+    assert optimizer_state_error(opt, saved) is None
+    error = optimizer_trial_error(opt, saved)
+    assert "does not load into Adam: KeyError" in str(error)
+    with pytest.raises(KeyError):
+        copy.deepcopy(opt).load_state_dict(saved)  # what the real load does
+    now = opt.state_dict()
+    assert now["param_groups"] == before["param_groups"]
+    assert all(torch.equal(now["state"][k][n], before["state"][k][n])
+               for k in before["state"] for n in before["state"][k])
+
+
+def test_state_shaped_unlike_the_parameter_is_refused():
+    model, opt = adam_state()
+    saved = copy.deepcopy(opt.state_dict())
+    saved["state"][0]["exp_avg"] = torch.zeros(3, 2)  # the weight is (2, 3)
+    assert "['exp_avg'] has shape (3, 2), the parameter's state needs (2, 3)" in \
+        str(optimizer_state_error(opt, saved))
+    fresh = torch.optim.Adam(model.parameters(), lr=0.1)  # no state of its own: the parameter's
+    assert "needs (2, 3)" in str(optimizer_state_error(fresh, saved))
+
+
+def test_schedule_of_another_kind_or_broken_state_is_refused_and_nothing_changes():
+    model, opt = adam_state()
+    step_lr = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+    lambda_lr = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+    assert schedule_trial_error(step_lr, step_lr.state_dict(), "s") is None
+    error = schedule_trial_error(lambda_lr, step_lr.state_dict(), "s")
+    assert "s is not a LambdaLR's state" in str(error)
+    assert "s is not a StepLR's state" in str(schedule_trial_error(step_lr, lambda_lr.state_dict(), "s"))
+    broken = {**lambda_lr.state_dict(), "lr_lambdas": "no list"}
+    assert "does not load into LambdaLR" in str(schedule_trial_error(lambda_lr, broken, "s"))
+    assert opt.param_groups[0]["lr"] == lambda_lr.get_last_lr()[0]
+
+
+def test_schedule_trial_leaves_the_optimizer_groups_alone():
+    """OuterMomentumWarmup sets its optimizer's momentum on load: the trial does so on a stand-in."""
+    from hvd_averaging.outer_schedules import OuterMomentumWarmup
+    outer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.7, momentum=0.9)
+    warmup = OuterMomentumWarmup(outer, 8)
+    momentum = outer.param_groups[0]["momentum"]
+    saved = {**warmup.state_dict(), "outer_steps_taken": 4}
+    assert schedule_trial_error(warmup, saved, "s") is None
+    assert outer.param_groups[0]["momentum"] == momentum and warmup.outer_steps_taken == 0
 
 
 def test_tensor_lists_must_match_and_be_finite():

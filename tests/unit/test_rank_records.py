@@ -124,7 +124,8 @@ def test_the_elastic_records_are_compared_across_ranks(tmp_path):
     def final(rank, **changes):
         record = {"rank": rank, "size": 3, "resets": 1, "averager_step": 41, "diloco_step": 41,
                   "levels": {"2": 1, "4": 3}, "parameters_digest": 5,
-                  "outer_parameters_digest": 6, "global_copy_digest": 7, **changes}
+                  "outer_parameters_digest": 6, "global_copy_digest": 7,
+                  "wrapper_steps": [41, 41], "wrapper_parameters_digest": 9, **changes}
         (tmp_path / f"final-rank{rank}.json").write_text(json.dumps(record))
     for rank in range(3):
         final(rank)
@@ -133,5 +134,8 @@ def test_the_elastic_records_are_compared_across_ranks(tmp_path):
     assert elastic_shrink_problems(tmp_path) == ["global_copy_digest differs across ranks"]
     final(2, averager_step=40)
     assert "rank 2: size 3, steps 40/41" in elastic_shrink_problems(tmp_path)[0]
+    final(2, wrapper_steps=[41, 42])
+    assert elastic_shrink_problems(tmp_path) == [
+        "rank 2: PostLocalSGDOptimizer/PostLocalSGD steps [41, 42] (expected 41 each)"]
     (tmp_path / "final-rank2.json").unlink()
     assert elastic_shrink_problems(tmp_path) == ["records from final ranks [0, 1], expected [0, 1, 2]"]
