@@ -8,7 +8,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
-from soak import (FAULT_KINDS, FaultBag, feasible_kinds, final_problems,  # noqa: E402
+from soak import (FAULT_KINDS, SHORT_SOAK_KINDS, FaultBag, feasible_kinds, final_problems,  # noqa: E402
                   judge_fault, passed, read_events, summarize, summary_line, world_problems,
                   worlds)
 
@@ -25,9 +25,9 @@ def test_feasible_kinds_keep_min_np_and_need_an_absent_node_to_add_back():
                                           "worker_added_back"]
 
 
-def draw_many(seed, count):
+def draw_many(seed, count, kinds=FAULT_KINDS):
     """Draws as the soak makes them, applying each removal and addition to the cluster's state."""
-    bag, members, absent, draws = FaultBag(seed), [0, 1, 2, 3], [], []
+    bag, members, absent, draws = FaultBag(seed, kinds), [0, 1, 2, 3], [], []
     for _ in range(count):
         draw = bag.draw(members=members, present=sorted(set(range(4)) - set(absent)),
                         absent=absent, min_np=2, timeout_s=TIMEOUT)
@@ -69,6 +69,20 @@ def test_every_kind_comes_up_in_twenty_draws_and_lengths_follow_the_timeout(seed
 def test_five_draws_are_five_kinds():
     for seed in range(20):
         assert len({d.kind for d in draw_many(seed, 5)}) == 5
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_short_soak_draws_every_kind_but_link_cuts(seed):
+    draws = draw_many(seed, 10, SHORT_SOAK_KINDS)
+    assert {d.kind for d in draws} == set(FAULT_KINDS) - {"link_cut"}
+
+
+def test_an_unknown_or_empty_kind_selection_is_refused():
+    with pytest.raises(ValueError, match="link_cutt"):
+        feasible_kinds(4, 2, 3, 0, ["link_cutt"])
+    with pytest.raises(ValueError, match="non-empty"):
+        FaultBag(0, []).draw(members=[0, 1, 2], present=[0, 1, 2], absent=[], min_np=2,
+                             timeout_s=TIMEOUT)
 
 
 def test_a_world_without_workers_is_refused():
