@@ -7,12 +7,13 @@ Layers, each importing only the ones before it (the README's layout lists what e
   (the timeout, the watchdog), ``world`` (one Horovod world
   and what belongs to it), ``gather_text`` (strings as bytes in tensors), ``placement`` (the
   node of every rank), ``process_sets`` (the shared registry), ``agreement`` (cross-rank
-  checks), ``startup`` (``init``);
+  checks), ``horovod_patch`` (whether Horovod carries the runner patch), ``startup`` (``init``);
 - storage and transports: ``flat_storage``, ``params``, ``checkpoint`` (checkpoint forms and
   checks, pure), ``broadcast`` (one rank's tensors or state to all), ``traffic``, ``transports`` (one
   module per way), ``routes`` (which sets a round crosses, the way in the buffers' dtype),
   ``wire`` (one module per wire format: as is, float16, int8; registered by name);
-- rounds: ``rounds`` (one round now), ``delayed`` (rounds left in flight);
+- rounds: ``rounds`` (one round now), ``abandoned_rounds`` (rounds a rank stopped waiting for),
+  ``delayed`` (rounds left in flight);
 - when: ``schedule`` (pure), ``membership`` (an averager's process sets per level, following
   the world), ``levels`` (each level's wire format and rounds in flight), ``averagers``,
   ``hierarchical``;
