@@ -119,6 +119,20 @@ def _wait_for(path: Path, limit_s: float, proc: subprocess.Popen) -> bool:
         time.sleep(0.2)
     return True
 
+def _release_and_wait(proc: subprocess.Popen, cluster: Cluster, tmp: Path, timeout_s: int,
+                      problems: list[str]) -> str:
+    """Let the held job go on (its ranks wait for ``tmp/probed``) and return its output; past
+    ``timeout_s`` stop everything on the cluster and say so in ``problems``."""
+    (tmp / "probed").write_text("")
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        cluster.stop_everything()
+        output, _ = proc.communicate()
+        problems.append(f"the job was still running after {timeout_s} s")
+    return output
+
+
 
 def _launch(kind: str, cluster: Cluster, bin_dir: Path, tmp: Path) -> tuple[list[str], dict]:
     """The launch line docs/security.md gives for ``kind``, ranks on nodes 0 and 1 (SLURM:
@@ -192,12 +206,8 @@ def run_launch(kind: str, bin_dir: Path, timeout_s: int) -> bool:
                     if attack.get("get_status") != 404:
                         problems.append(f"reading a worker's registration gave "
                                         f"{attack.get('get_status')!r}, not 404")
-            (tmp / "probed").write_text("")
-            output, _ = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            cluster.stop_everything()
-            output, _ = proc.communicate()
-            problems.append(f"the job was still running after {timeout_s} s")
+        finally:
+            output = _release_and_wait(proc, cluster, tmp, timeout_s, problems)
     if proc.returncode != 0 or output.count("listening job ok") != 2:
         problems.append(f"the job ended with exit code {proc.returncode}, "
                         f"{output.count('listening job ok')} of 2 ranks ok")
@@ -588,13 +598,8 @@ def run_key_off_command_lines(bin_dir: Path, timeout_s: int) -> bool:
         try:
             if not _wait_for(tmp / "job.json", 120, proc):
                 problems.append("the job never reached its probe point")
-            (tmp / "probed").write_text("")
-            output, _ = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            cluster.stop_everything()
-            output, _ = proc.communicate()
-            problems.append(f"the job was still running after {timeout_s} s")
         finally:
+            output = _release_and_wait(proc, cluster, tmp, timeout_s, problems)
             stop.set()
             watcher.join()
     keys = task_keys_on_command_lines(list(seen_tasks.values()))

@@ -4,8 +4,6 @@ a zero-gradient step that counts as in PyTorch, DiLoCo's one starting point for 
 frozen parameters, and loading that is all or nothing (including a file one rank cannot read).
 """
 import copy
-import os
-from pathlib import Path
 
 import horovod.torch as hvd
 import pytest
