@@ -37,6 +37,7 @@ __all__ = [
     "blocking_call",
     "check_environment",
     "watchdog_grace",
+    "recovered_from_timeout",
 ]
 
 DEFAULT_TIMEOUT_SECONDS = 45.0
@@ -104,6 +105,7 @@ class Deadlines:
         self.exit_after_seconds: object = _UNSET  # _UNSET: from the environment or timeout / 2
         self.ended_by_timeout = False
         self.watchdog = Watchdog()
+        self._exit_tokens: list[int] = []  # the exits armed after timeouts, until recovered
 
     def timeout(self) -> float:
         if self.timeout_seconds is not None:
@@ -162,14 +164,26 @@ class Deadlines:
         grace = self.exit_after_timeout()
         if grace is None:
             return
-        self.watchdog.arm(grace, (
+        self._exit_tokens.append(self.watchdog.arm(grace, (
             f"hvd_averaging watchdog: {_whoami()} is still running {grace:g} s after "
             f"AveragingTimeoutError in {what}; ending it so that the job ends "
             "(HVA_EXIT_AFTER_TIMEOUT_SECONDS or hva.set_timeout(..., exit_after=...) gives an "
-            "except block more time)."))
+            "except block more time).")))
         if not self.ended_by_timeout:
             self.ended_by_timeout = True
             atexit.register(_exit_now)  # registered after Horovod's: runs before it
+
+
+    def recovered(self) -> None:
+        """An elastic job took over after the timeout: Horovod is shut down and initialized
+        again (under Gloo, whose own timeout bounds the background thread), so the exit armed
+        after the timeout, and the skip of Horovod's shutdown at exit, no longer apply."""
+        for token in self._exit_tokens:
+            self.watchdog.disarm(token)
+        self._exit_tokens.clear()
+        if self.ended_by_timeout:
+            self.ended_by_timeout = False
+            atexit.unregister(_exit_now)
 
 
 # The one owner of this process's deadlines.
@@ -263,3 +277,12 @@ def bounded_collective(what: str, nbytes: int = 0, started_at: Optional[float] =
     the watchdog ends it; at a normal exit it skips Horovod's shutdown.
     """
     return DEADLINES.bounded_collective(what, nbytes, started_at)
+
+
+def recovered_from_timeout() -> None:
+    """Say that this process recovers from an :class:`AveragingTimeoutError` by Horovod's
+    elastic reset (``hvd.elastic.run`` restoring the last commit): the exit armed after the
+    timeout is cancelled. Called by :mod:`hvd_averaging.elastic`'s state handlers at
+    ``restore()``; without it, the watchdog ended a survivor waiting in Horovod's rendezvous
+    ``exit_after`` seconds after the timeout (measured in the fault soak, docs/reliability.md)."""
+    DEADLINES.recovered()

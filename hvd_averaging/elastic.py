@@ -51,7 +51,7 @@ import torch
 
 from .averagers import ModelAverager
 from .broadcast import broadcast_from_first_member, broadcast_state
-from .deadlines import bounded_collective
+from .deadlines import bounded_collective, recovered_from_timeout
 from .optim import PostLocalSGDOptimizer
 from .outer import DiLoCo
 from .world import renew_world
@@ -71,6 +71,8 @@ class AveragerStateHandler(StateHandler):
 
     def restore(self) -> None:
         # Local only: restore runs right after a HorovodInternalError, when collectives fail.
+        # The elastic reset recovers, so the exit armed after an AveragingTimeoutError goes.
+        recovered_from_timeout()
         self.value.step = self._saved_step
 
     def sync(self) -> None:

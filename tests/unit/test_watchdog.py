@@ -144,6 +144,41 @@ def test_a_later_disarm_leaves_the_exit_after_a_timeout_armed():
     assert time.monotonic() - start < 20
 
 
+RECOVERED_CHILD = """
+import time
+import hvd_averaging as hva
+from hvd_averaging.deadlines import AveragingTimeoutError, bounded_collective
+from hvd_averaging.elastic import AveragerStateHandler
+hva.init()
+hva.set_timeout(30, exit_after=1.0)
+handler = AveragerStateHandler(hva.PeriodicModelAverager(2))
+try:
+    with bounded_collective("test round at step 3"):
+        raise AveragingTimeoutError("test round at step 3: not finished")
+except AveragingTimeoutError:
+    pass
+if RECOVER:
+    handler.restore()  # what hvd.elastic.run does after the error, before its reset
+time.sleep(3)
+print("went on", flush=True)
+"""
+
+
+@pytest.mark.parametrize("recover", [True, False])
+def test_an_elastic_restore_cancels_the_exit_after_a_timeout(recover):
+    """The fault soak saw the last survivor of an elastic job ended by its watchdog while it
+    waited in Horovod's rendezvous, ``exit_after`` seconds after the timeout. An elastic state
+    handler's restore() now cancels that exit (and the skip of Horovod's shutdown at exit: the
+    process ends with its own exit code); without a restore the exit stays armed."""
+    proc = subprocess.run([sys.executable, "-c", f"RECOVER = {recover}\n" + RECOVERED_CHILD],
+                          capture_output=True, text=True, timeout=60)
+    if recover:
+        assert proc.returncode == 0 and "went on" in proc.stdout, (proc.returncode, proc.stderr)
+    else:
+        assert proc.returncode == -15 and "went on" not in proc.stdout, (proc.returncode, proc.stderr)
+        assert "still running 1 s after AveragingTimeoutError" in proc.stderr
+
+
 def test_deadlines_are_kept_apart_and_the_earliest_ends_the_process():
     child = """
 import time
