@@ -77,8 +77,14 @@ class SuiteRun:
     env: dict = field(default_factory=dict)
 
 
+# test_recipes.py (Horovod's and PyTorch's recipes on the wrappers) does not depend on where ranks
+# sit: it runs in the single-host launches, and here it would push the Gloo suite past its limit.
 MULTIPROCESS_TARGETS = ["tests/multiprocess", "--ignore=tests/multiprocess/static",
-                        "--ignore=tests/multiprocess/registered_at_start"]
+                        "--ignore=tests/multiprocess/registered_at_start",
+                        "--ignore=tests/multiprocess/test_recipes.py"]
+# A suite's limit is a hang detector: the Gloo suite on 2 nodes x 2 ran past 300 s at 0bae30a
+# (75% done) with the tests issue 40 added, none of them hung (they alone: 85 s on the cluster).
+SUITE_LIMIT_S = 600
 PLACEMENT = ["tests/multinode/test_placement.py"]
 START_UP = PLACEMENT + ["tests/multinode/test_start_up_registration.py"]
 
@@ -427,7 +433,7 @@ def run_all(bin_dir: Path, timeout_s: int, log: StageLog) -> None:
         log.run("multi-node (emulated cluster)", lambda: False)
         return
     for run in SUITES:
-        log.run(run.label, lambda: run_suite(run, timeout_s))
+        log.run(run.label, lambda: run_suite(run, max(timeout_s, SUITE_LIMIT_S)))
     log.run("cut link, MPI, start-up sets", lambda: run_cut_link("mpi", start_up_sets=True))
     log.run("cut link, MPI, dynamic sets", lambda: run_cut_link("mpi", start_up_sets=False))
     log.run("cut link, Gloo", lambda: run_cut_link("gloo", start_up_sets=False))
