@@ -74,8 +74,11 @@ class Membership:
         """At a firing step: make the sets anew if the world changed since they were made (or
         they were never made). Collective then. True when sets made before were dropped (the
         rounds in flight over them died with the old world)."""
-        if self._sets_dropped():
-            renew_world()  # Horovod was started again without an elastic reset announcing it
+        # Sets made for the current world and gone: Horovod was started again without an
+        # elastic reset announcing it. (Made for an older world: a reset's sync already began a
+        # new one, on every rank alike; renewing again here would do it on the old ranks only.)
+        if not self._world.behind() and self._sets_dropped():
+            renew_world()
         if not self._world.behind():
             return False
         renewed = self._world.started
