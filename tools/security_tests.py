@@ -132,6 +132,20 @@ def _release_and_wait(proc: subprocess.Popen, cluster: Cluster, tmp: Path, timeo
         problems.append(f"the job was still running after {timeout_s} s")
     return output
 
+def _verdict(label: str, proc: subprocess.Popen, output: str, problems: list[str]) -> bool:
+    """The held job must have ended well on both ranks; print every problem (and the job's
+    output when there is one) and the stage's last line. True when nothing is wrong."""
+    if proc.returncode != 0 or output.count("listening job ok") != 2:
+        problems.append(f"the job ended with exit code {proc.returncode}, "
+                        f"{output.count('listening job ok')} of 2 ranks ok")
+    for problem in problems:
+        print(f"    {problem}", flush=True)
+    if problems:
+        print(output[-6000:], flush=True)
+    print(f"=== {'ok' if not problems else 'FAILED'}: {label}", flush=True)
+    return not problems
+
+
 
 
 def _launch(kind: str, cluster: Cluster, bin_dir: Path, tmp: Path) -> tuple[list[str], dict]:
@@ -208,17 +222,9 @@ def run_launch(kind: str, bin_dir: Path, timeout_s: int) -> bool:
                                         f"{attack.get('get_status')!r}, not 404")
         finally:
             output = _release_and_wait(proc, cluster, tmp, timeout_s, problems)
-    if proc.returncode != 0 or output.count("listening job ok") != 2:
-        problems.append(f"the job ended with exit code {proc.returncode}, "
-                        f"{output.count('listening job ok')} of 2 ranks ok")
     if attack is not None:
         print(f"    crafted pickle from {cluster.nodes[2]}: {attack}", flush=True)
-    for problem in problems:
-        print(f"    {problem}", flush=True)
-    if problems:
-        print(output[-6000:], flush=True)
-    print(f"=== {'ok' if not problems else 'FAILED'}: {label}", flush=True)
-    return not problems
+    return _verdict(label, proc, output, problems)
 
 
 # --- The rendezvous attacks, at Horovod 0.28.1 as released and at the patched build ----------
@@ -612,15 +618,7 @@ def run_key_off_command_lines(bin_dir: Path, timeout_s: int) -> bool:
         problems.append("a probe task's command line carries the HMAC key")
     if secret_words:
         problems.append("a command line holds HOROVOD_WORKER_SECRET=")
-    if proc.returncode != 0 or output.count("listening job ok") != 2:
-        problems.append(f"the job ended with exit code {proc.returncode}, "
-                        f"{output.count('listening job ok')} of 2 ranks ok")
-    for problem in problems:
-        print(f"    {problem}", flush=True)
-    if problems:
-        print(output[-6000:], flush=True)
-    print(f"=== {'ok' if not problems else 'FAILED'}: {label}", flush=True)
-    return not problems
+    return _verdict(label, proc, output, problems)
 
 
 def run_all(bin_dir: Path, timeout_s: int, log: StageLog) -> None:
