@@ -274,6 +274,10 @@ class Cluster(StartedOrClosed):
 
     def close(self) -> None:
         """Stop every process on every node and remove everything this cluster created."""
+        for signum in self._previous_handlers:
+            # a second Ctrl-C or SIGTERM (timeout(1) and a user both signal) must not cut the
+            # teardown short and leave namespaces behind
+            signal.signal(signum, signal.SIG_IGN)
         if self._up:
             _teardown(self.prefix, self.nodes, self.bridge, self.host_links)
             self._up = False

@@ -25,7 +25,13 @@ exactly once or the build stops):
    horovodrun knows it (``--network-interface``; for non-elastic Gloo and function mode always),
    and so do the launcher's HMAC-authenticated services when they are given one interface with
    one IPv4 address;
-5. ``horovod.runner.common.util.secret.HVD_AVERAGING_PATCH`` names this revision, so that
+5. a reset stops waiting for the workers of a host that discovery dropped: once the other
+   workers have reported, the elastic driver records them as failed and ends their launch (as
+   it does for a blacklisted host), so a worker behind a cut link no longer holds the job until
+   the link returns; and the
+   driver sends its host-change notice to the coordinator from a thread of its own, no longer
+   holding its hosts lock while an unreachable coordinator does not answer;
+6. ``horovod.runner.common.util.secret.HVD_AVERAGING_PATCH`` names this revision, so that
    hvd_averaging can warn when it runs on a Horovod without it.
 
     python tools/patch_horovod_rendezvous.py SOURCE_DIR
@@ -39,7 +45,7 @@ from pathlib import Path
 __all__ = ["PATCH_REVISION", "EDITS", "apply_edits", "main"]
 
 # The revision of this patch: part of the wheel cache key, so a changed patch rebuilds Horovod.
-PATCH_REVISION = "rendezvous3"
+PATCH_REVISION = "rendezvous5"
 
 SECRET_HELPERS = '''
 
@@ -367,6 +373,82 @@ EDITS = {
         self._rendezvous = rendezvous
         # hvd_averaging patch: the job secret the launcher hands its workers on stdin
         self.worker_secret = worker_secret or secret.make_secret_key()
+        # hvd_averaging patch: dropped hosts whose workers a reset stopped waiting for, and the
+        # reset (rendezvous round) in which it did
+        self._released_hosts = {}
+"""),
+        ("""                update_res = self._host_manager.update_available_hosts()
+                if update_res != HostUpdateResult.no_update:
+                    self._notify_workers_host_changes(self._host_manager.current_hosts, update_res)
+                    self._wait_hosts_cond.notify_all()
+""", """                update_res = self._host_manager.update_available_hosts()
+                if update_res != HostUpdateResult.no_update:
+                    self._notify_workers_host_changes(self._host_manager.current_hosts, update_res)
+                    self._wait_hosts_cond.notify_all()
+                self._release_removed_workers()
+"""),
+        ("""        timestamp = _epoch_time_s()
+        try:
+            coordinator_client.notify_hosts_updated(timestamp, update_res)
+        except:
+            if self._verbose >= 2:
+                logging.exception('failed to notify {}[{}] of host updates'
+                                  .format(coordinator_slot_info.hostname,
+                                          coordinator_slot_info.local_rank))
+""", """        timestamp = _epoch_time_s()
+
+        def notify():
+            try:
+                coordinator_client.notify_hosts_updated(timestamp, update_res)
+            except:
+                if self._verbose >= 2:
+                    logging.exception('failed to notify {}[{}] of host updates'
+                                      .format(coordinator_slot_info.hostname,
+                                              coordinator_slot_info.local_rank))
+
+        # hvd_averaging patch: the notice goes out from a thread of its own. Sent here, it held
+        # the hosts lock (discovery, and the next rendezvous's wait for slots) for as long as
+        # the coordinator took to answer: a whole cut when the coordinator's link was down.
+        # Workers keep the latest timestamp, so the order notices arrive in does not matter.
+        threading.Thread(target=notify, daemon=True).start()
+"""),
+        ("""    def _handle_worker_exit(self, slot_info, exit_code, timestamp):
+""", """    def _handle_worker_exit(self, slot_info, exit_code, timestamp):
+        if self._released_hosts.get(slot_info.hostname) == self._worker_registry.last_rendezvous():
+            # hvd_averaging patch: recorded as failed when the reset stopped waiting for it; a
+            # second record would count it twice at the barrier
+            return
+"""),
+        ("""    def _notify_workers_host_changes(self, current_hosts, update_res):
+""", """    def _release_removed_workers(self):
+        # hvd_averaging patch: a reset waits at the barrier until every worker of the last world
+        # has reported. A worker on a host that discovery has dropped (behind a cut link, on a
+        # node that is going) may not report for minutes, or ever, and its launch may not end
+        # before it does (ssh to a cut host). Once a reset is under way, such a worker is
+        # recorded as failed here, which lets the barrier complete without it, and its launch
+        # is ended (as for a blacklisted host); its exit is then not recorded a second time.
+        recorded = set(self._worker_registry.get_recorded_slots())
+        if not recorded or len(recorded) >= self._worker_registry.size():
+            return
+        listed = self._host_manager.current_hosts.available_hosts
+        round_id = self._worker_registry.last_rendezvous()
+        for host, slots in list(self._host_assignments.items()):
+            if host in listed or self._released_hosts.get(host) == round_id:
+                continue
+            missing = [slot_info.local_rank for slot_info in slots
+                       if (host, slot_info.local_rank) not in recorded]
+            if not missing:
+                continue
+            logging.warning('reset under way: no longer waiting for the workers of %s, '
+                            'which discovery dropped', host)
+            self._released_hosts[host] = round_id
+            for slot in missing:
+                # record_failure waits at the barrier, as a worker's exit does
+                threading.Thread(target=self._worker_registry.record_failure,
+                                 args=(host, slot), daemon=True).start()
+            self._host_manager.get_host_event(host).set()
+
+    def _notify_workers_host_changes(self, current_hosts, update_res):
 """),
         ("""    def register_worker_server(self, host, slot, addresses, secret_key):
         self._worker_clients[(host, slot)] = WorkerNotificationClient(

@@ -49,7 +49,8 @@ from slurm_cluster import SlurmCluster, SlurmUnavailable, check_slurm
 from stage_log import StageLog
 
 __all__ = ["listening_sockets", "exposed", "open_mpi_own", "released_runner_sources", "run_attacks",
-           "run_key_off_command_lines", "task_keys_on_command_lines", "run_all"]
+           "run_key_off_command_lines", "task_keys_on_command_lines", "function_mode_problems",
+           "run_function_mode", "run_all"]
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "tests" / "security" / "listening_job.py"
@@ -621,6 +622,55 @@ def run_key_off_command_lines(bin_dir: Path, timeout_s: int) -> bool:
     return _verdict(label, proc, output, problems)
 
 
+FUNCTION_MODE_JOB = ROOT / "tests" / "security" / "function_mode_job.py"
+
+
+def function_mode_problems(mode: str, answer: Optional[dict]) -> list[str]:
+    """What is wrong in the answer of tests/security/function_mode_job.py (``None``: it printed
+    no JSON line)."""
+    if answer is None:
+        return [f"function mode under {mode}: the job printed no result"]
+    problems = []
+    if answer.get("results") != [[0, 2, 1.0], [1, 2, 1.0]]:
+        problems.append(f"function mode under {mode}: results {answer.get('results')}, not "
+                        "[[0, 2, 1.0], [1, 2, 1.0]] (rank, size, allreduced sum of the ranks)")
+    if not answer.get("secret_seen_in_a_worker"):
+        problems.append(f"function mode under {mode}: no worker held HOROVOD_WORKER_SECRET, so "
+                        "the command lines could not be checked for it")
+    if answer.get("command_lines_with_secret"):
+        problems.append(f"function mode under {mode}: the job secret is on command lines: "
+                        f"{answer['command_lines_with_secret']}")
+    return problems
+
+
+def run_function_mode(bin_dir: Path, timeout_s: int) -> bool:
+    """``horovod.run(fn)`` under mpirun and under Gloo on one host with the patched build: the
+    results come back through the signed key-value store, and the job secret (by name under
+    mpirun, on stdin under Gloo) is on no command line."""
+    label = "security: function mode (horovod.run) under mpirun and Gloo"
+    print(f"\n=== {label}", flush=True)
+    problems: list[str] = []
+    for mode in ("mpi", "gloo"):
+        try:
+            done = subprocess.run([str(bin_dir / "python"), str(FUNCTION_MODE_JOB), mode],
+                                  cwd=ROOT, env=test_launch_env(), capture_output=True, text=True,
+                                  timeout=timeout_s, start_new_session=True)
+        except subprocess.TimeoutExpired:
+            problems.append(f"function mode under {mode}: still running after {timeout_s} s")
+            continue
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        answer = json.loads(lines[-1]) if lines and done.returncode == 0 else None
+        print(f"    {mode}: exit code {done.returncode}, {answer}", flush=True)
+        found = function_mode_problems(mode, answer)
+        if found:
+            print((done.stdout + done.stderr)[-4000:], flush=True)
+        problems += found
+    for problem in problems:
+        print(f"    {problem}", flush=True)
+    print(f"=== {'ok' if not problems else 'FAILED'}: {label}", flush=True)
+    return not problems
+
+
 def run_all(bin_dir: Path, timeout_s: int, log: StageLog) -> None:
     """Every security launch, recorded in ``log`` (the SLURM one as the SLURM stage is: skipped
     with HVA_SKIP_SLURM=1 where SLURM cannot run, failed with the reason otherwise)."""
@@ -635,3 +685,5 @@ def run_all(bin_dir: Path, timeout_s: int, log: StageLog) -> None:
     for kind in kinds:
         log.run(f"security: listening sockets, {kind}", lambda: run_launch(kind, bin_dir, timeout_s))
     log.run("security: no key on a command line", lambda: run_key_off_command_lines(bin_dir, timeout_s))
+    log.run("security: function mode under mpirun and Gloo",
+            lambda: run_function_mode(bin_dir, timeout_s))

@@ -4,8 +4,9 @@
         --network-interface eth0 --host-discovery-script tests/faults/discover_hosts.sh \\
         --blacklist-cooldown-range 1 2 python -u tests/faults/soak_train.py
 
-Trains a small model with a ``PeriodicModelAverager`` (period 2) held by ``TorchState``,
-committing after every batch, until rank 0 finds ``HVA_SOAK_DIR/stop`` (it tells the others with
+Trains a small model with a ``PostLocalSGDOptimizer`` (SGD with momentum, a
+``PeriodicModelAverager`` of period 2) held by ``TorchState``, committing after every batch (so
+the faults kill, cut off and stop workers in the middle of the wrapper's averaging), until rank 0 finds ``HVA_SOAK_DIR/stop`` (it tells the others with
 a broadcast after every all-rank average, so every rank leaves at the same batch with the same
 parameters). The soak driver injects faults meanwhile
 and judges from what each worker writes to ``HVA_SOAK_DIR/records/HOST-PID.jsonl``, one JSON
@@ -23,8 +24,10 @@ The library's :class:`hva.AveragingTimeoutError` (a peer behind a cut link, or s
 turned into Horovod's ``HorovodInternalError`` here so that ``hvd.elastic.run`` restores the last
 commit and resets, as it does for a peer that died.
 """
+import faulthandler
 import json
 import os
+import signal
 import socket
 import time
 from pathlib import Path
@@ -34,7 +37,6 @@ import torch
 from horovod.common.exceptions import HorovodInternalError
 
 import hvd_averaging as hva
-import hvd_averaging.elastic  # noqa: F401  (registers the averager with TorchState)
 from hvd_averaging.agreement import tensor_digest
 
 PERIOD = 2
@@ -52,6 +54,11 @@ def record(event: str, **fields) -> None:
         out.flush()
 
 
+# the soak driver sends SIGUSR1 to every live worker when the job is not whole again in time:
+# each then writes every thread's Python stack beside its record
+STACKS = open(RECORD.with_suffix(".stacks"), "a")
+faulthandler.register(signal.SIGUSR1, file=STACKS, all_threads=True)
+
 hva.init()
 # This job recovers from a timeout (the elastic reset below), so the watchdog must not end a rank
 # half the timeout after one, its default: the reset can wait longer than that in Horovod's
@@ -60,9 +67,9 @@ hva.init()
 hva.set_timeout(hva.timeout(), exit_after=None)
 torch.manual_seed(0)  # the same start on every worker; a newcomer takes rank 0's state anyway
 model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
-optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
-averager = hva.PeriodicModelAverager(period=PERIOD)
-state = hvd.elastic.TorchState(model, optimizer, averager=averager, batch=0)
+optimizer = hva.PostLocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9),
+                                      hva.PeriodicModelAverager(period=PERIOD))
+state = hvd.elastic.TorchState(model, optimizer, batch=0)  # the wrapper's own state handler
 record("process", rank=hvd.rank(), size=hvd.size())
 
 
@@ -76,12 +83,12 @@ def train(state):
     token = hvd.broadcast(token, root_rank=0, name="soak.world")
     world = f"{int(token.item()):016x}"
     record("start", world=world, rank=hvd.rank(), size=hvd.size(), batch=state.batch,
-           averager_step=state.averager.step, digest=digest())
+           averager_step=optimizer.averager.step, digest=digest())
     try:
         while True:
             # asked only right after an all-rank average (the averager's step is synced), so
             # that the ranks end with the same parameters
-            if state.averager.step % PERIOD == 1:
+            if optimizer.averager.step % PERIOD == 1:
                 stop = torch.tensor([int(hvd.rank() == 0 and (SOAK_DIR / "stop").exists())])
                 if int(hvd.broadcast(stop, root_rank=0, name="soak.stop").item()):
                     return world
@@ -90,9 +97,8 @@ def train(state):
             inputs = torch.randn(16, 64)
             optimizer.zero_grad()
             (model(inputs) - inputs[:, :8]).square().mean().backward()
-            optimizer.step()
-            averaged = state.averager.step % PERIOD == 0
-            state.averager.average_parameters(model.parameters())
+            averaged = optimizer.averager.step % PERIOD == 0
+            optimizer.step()  # the inner step, then the average when due
             state.batch += 1
             time.sleep(STEP_SECONDS)
             state.commit()

@@ -1,11 +1,13 @@
-"""tools/cluster.py's arguments and the names it gives (no namespaces are created here; the
-multi-node launches of tools/run_tests.py use the tool for real)."""
+"""tools/cluster.py's arguments and the names it gives, and its teardown when signalled twice
+(that one test creates real namespaces; the multi-node launches of tools/run_tests.py use the
+tool for real)."""
 import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
 from cluster import Cluster  # noqa: E402
 
 
@@ -44,3 +46,36 @@ def test_slurm_conf_puts_the_controller_on_node_0_and_computes_on_the_others(tmp
     assert "SlurmdTimeout=12" in conf
     with pytest.raises(ValueError, match="a controller and a compute node"):
         SlurmCluster(Cluster(1))
+
+
+SECOND_SIGNAL = r"""
+import os, signal, sys, time
+sys.path.insert(0, sys.argv[1])
+import cluster
+teardown = cluster._teardown
+def teardown_signalled_again(*args):
+    os.kill(os.getpid(), signal.SIGTERM)  # timeout(1) and a user both signal, say
+    time.sleep(0.3)
+    teardown(*args)
+cluster._teardown = teardown_signalled_again
+try:
+    with cluster.Cluster(2) as c:
+        print(c.prefix, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+except KeyboardInterrupt:
+    pass
+"""
+
+
+def test_a_second_signal_during_the_teardown_leaves_no_namespace():
+    """Real namespaces (this suite runs as root): SIGTERM, then SIGTERM again while the
+    namespaces are being removed; none may be left (before the fix the second one cut the
+    teardown short)."""
+    import subprocess
+    done = subprocess.run([sys.executable, "-c", SECOND_SIGNAL, str(ROOT / "tools")],
+                          capture_output=True, text=True, timeout=60)
+    prefix = done.stdout.strip()
+    assert prefix.startswith("hva"), done.stdout + done.stderr
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert prefix not in left, f"namespaces left behind: {left}"

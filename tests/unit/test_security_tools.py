@@ -190,3 +190,17 @@ def test_a_probe_tasks_key_is_read_off_its_command_line():
                 codec.dumps_base64(2), codec.dumps_base64({}), codec.dumps_base64(BaseSettings(key=key))]
     assert task_keys_on_command_lines([task(b"k" * 32), task(None), ["python", "train.py"]]) == \
         [b"k" * 32, None]
+
+
+def test_function_mode_answers_are_judged_on_results_and_command_lines():
+    from security_tests import function_mode_problems
+    good = {"results": [[0, 2, 1.0], [1, 2, 1.0]], "secret_seen_in_a_worker": True,
+            "command_lines_with_secret": []}
+    assert function_mode_problems("mpi", good) == []
+    assert "printed no result" in function_mode_problems("mpi", None)[0]
+    wrong = function_mode_problems("gloo", {**good, "results": [[0, 2, 1.0]]})
+    assert len(wrong) == 1 and "results [[0, 2, 1.0]]" in wrong[0]
+    unchecked = function_mode_problems("mpi", {**good, "secret_seen_in_a_worker": False})
+    assert len(unchecked) == 1 and "could not be checked" in unchecked[0]
+    leaked = function_mode_problems("mpi", {**good, "command_lines_with_secret": ["mpirun -x S=ab"]})
+    assert len(leaked) == 1 and "mpirun -x S=ab" in leaked[0]
