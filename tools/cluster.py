@@ -37,6 +37,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -273,20 +274,29 @@ class Cluster(StartedOrClosed):
                 self.set_rate(index, self.rate_mbit)
 
     def close(self) -> None:
-        """Stop every process on every node and remove everything this cluster created."""
-        for signum in self._previous_handlers:
-            # a second Ctrl-C or SIGTERM (timeout(1) and a user both signal) must not cut the
-            # teardown short and leave namespaces behind
-            signal.signal(signum, signal.SIG_IGN)
-        if self._up:
-            _teardown(self.prefix, self.nodes, self.bridge, self.host_links)
-            self._up = False
-        if self._shims is not None:
-            shutil.rmtree(self._shims, ignore_errors=True)
-            self._shims = None
-        for signum, handler in self._previous_handlers.items():
-            signal.signal(signum, handler)
-        self._previous_handlers.clear()
+        """Stop every process on every node and remove everything this cluster created. A Ctrl-C
+        or SIGTERM that arrives meanwhile (timeout(1) and a user both signal) waits until the
+        teardown is done, then raises ``KeyboardInterrupt``: cut short, it left namespaces."""
+        arrived: list[int] = []
+        deferred = bool(self._previous_handlers) and \
+            threading.current_thread() is threading.main_thread()
+        if deferred:
+            for signum in self._previous_handlers:
+                signal.signal(signum, lambda signum, _frame: arrived.append(signum))
+        try:
+            if self._up:
+                _teardown(self.prefix, self.nodes, self.bridge, self.host_links)
+                self._up = False
+            if self._shims is not None:
+                shutil.rmtree(self._shims, ignore_errors=True)
+                self._shims = None
+        finally:
+            if deferred:
+                for signum, handler in self._previous_handlers.items():
+                    signal.signal(signum, handler)
+                self._previous_handlers.clear()
+        if arrived:
+            raise KeyboardInterrupt(f"signal {arrived[0]} during the emulated cluster's teardown")
 
     # -- the link ---------------------------------------------------------------------------
 

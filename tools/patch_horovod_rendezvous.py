@@ -25,12 +25,13 @@ exactly once or the build stops):
    horovodrun knows it (``--network-interface``; for non-elastic Gloo and function mode always),
    and so do the launcher's HMAC-authenticated services when they are given one interface with
    one IPv4 address;
-5. a reset stops waiting for the workers of a host that discovery dropped: once the other
-   workers have reported, the elastic driver records them as failed and ends their launch (as
-   it does for a blacklisted host), so a worker behind a cut link no longer holds the job until
-   the link returns; and the
-   driver sends its host-change notice to the coordinator from a thread of its own, no longer
-   holding its hosts lock while an unreachable coordinator does not answer;
+5. a reset stops waiting for the workers of a host that discovery dropped: once every worker on
+   a listed host has reported and theirs have not for 3 s, the elastic driver records them as
+   failed (once: a second record of a failed slot in the same reset is refused or ignored,
+   where Horovod counted it twice at its barrier) and ends their launch, so a worker behind a
+   cut link no longer holds the job until the link returns; the driver sends its host-change
+   notices from threads of their own, in order per worker, no longer holding its hosts lock
+   while an unreachable coordinator does not answer;
 6. ``horovod.runner.common.util.secret.HVD_AVERAGING_PATCH`` names this revision, so that
    hvd_averaging can warn when it runs on a Horovod without it.
 
@@ -45,7 +46,7 @@ from pathlib import Path
 __all__ = ["PATCH_REVISION", "EDITS", "apply_edits", "main"]
 
 # The revision of this patch: part of the wheel cache key, so a changed patch rebuilds Horovod.
-PATCH_REVISION = "rendezvous5"
+PATCH_REVISION = "rendezvous6"
 
 SECRET_HELPERS = '''
 
@@ -373,9 +374,10 @@ EDITS = {
         self._rendezvous = rendezvous
         # hvd_averaging patch: the job secret the launcher hands its workers on stdin
         self.worker_secret = worker_secret or secret.make_secret_key()
-        # hvd_averaging patch: dropped hosts whose workers a reset stopped waiting for, and the
-        # reset (rendezvous round) in which it did
-        self._released_hosts = {}
+        # hvd_averaging patch: (reset round, time) at which a reset stops waiting for the
+        # workers of dropped hosts; the last host-change notice sent to each worker
+        self._release_due = None
+        self._notice_threads = {}
 """),
         ("""                update_res = self._host_manager.update_available_hosts()
                 if update_res != HostUpdateResult.no_update:
@@ -396,59 +398,70 @@ EDITS = {
                                   .format(coordinator_slot_info.hostname,
                                           coordinator_slot_info.local_rank))
 """, """        timestamp = _epoch_time_s()
+        # hvd_averaging patch: the notice goes out from a thread of its own. Sent here, it held
+        # the hosts lock (discovery, and the next reset's wait for slots) for as long as the
+        # coordinator took to answer: a whole cut when the coordinator's link was down. A
+        # worker drops a notice older than one it has, so each waits for the one before it to
+        # the same worker; another worker's notices do not wait for it.
+        previous = self._notice_threads.get(coordinator_client)
 
         def notify():
+            if previous is not None:
+                previous.join()
             try:
                 coordinator_client.notify_hosts_updated(timestamp, update_res)
-            except:
+            except Exception:
                 if self._verbose >= 2:
                     logging.exception('failed to notify {}[{}] of host updates'
                                       .format(coordinator_slot_info.hostname,
                                               coordinator_slot_info.local_rank))
 
-        # hvd_averaging patch: the notice goes out from a thread of its own. Sent here, it held
-        # the hosts lock (discovery, and the next rendezvous's wait for slots) for as long as
-        # the coordinator took to answer: a whole cut when the coordinator's link was down.
-        # Workers keep the latest timestamp, so the order notices arrive in does not matter.
-        threading.Thread(target=notify, daemon=True).start()
-"""),
-        ("""    def _handle_worker_exit(self, slot_info, exit_code, timestamp):
-""", """    def _handle_worker_exit(self, slot_info, exit_code, timestamp):
-        if self._released_hosts.get(slot_info.hostname) == self._worker_registry.last_rendezvous():
-            # hvd_averaging patch: recorded as failed when the reset stopped waiting for it; a
-            # second record would count it twice at the barrier
-            return
+        thread = threading.Thread(target=notify, daemon=True)
+        self._notice_threads = {coordinator_client: thread}  # older workers' notices: let go
+        thread.start()
 """),
         ("""    def _notify_workers_host_changes(self, current_hosts, update_res):
 """, """    def _release_removed_workers(self):
         # hvd_averaging patch: a reset waits at the barrier until every worker of the last world
         # has reported. A worker on a host that discovery has dropped (behind a cut link, on a
         # node that is going) may not report for minutes, or ever, and its launch may not end
-        # before it does (ssh to a cut host). Once a reset is under way, such a worker is
-        # recorded as failed here, which lets the barrier complete without it, and its launch
-        # is ended (as for a blacklisted host); its exit is then not recorded a second time.
-        recorded = set(self._worker_registry.get_recorded_slots())
-        if not recorded or len(recorded) >= self._worker_registry.size():
-            return
+        # before it does (ssh to a cut host). Once every worker on a listed host has reported
+        # and a dropped host's have not for RELEASE_GRACE_S (a graceful removal reports within
+        # that), those are recorded as failed, which lets the barrier complete without them,
+        # and their launch is ended (as for a blacklisted host).
+        round_id, recorded = self._worker_registry.recorded()
         listed = self._host_manager.current_hosts.available_hosts
-        round_id = self._worker_registry.last_rendezvous()
-        for host, slots in list(self._host_assignments.items()):
-            if host in listed or self._released_hosts.get(host) == round_id:
-                continue
-            missing = [slot_info.local_rank for slot_info in slots
-                       if (host, slot_info.local_rank) not in recorded]
-            if not missing:
-                continue
+        assigned = [(host, slot_info.local_rank)
+                    for host, slots in list(self._host_assignments.items()) for slot_info in slots]
+        unreported = [key for key in assigned if key not in recorded]
+        if not recorded or not unreported or any(host in listed for host, _ in unreported):
+            self._release_due = None
+            return
+        now = time.time()
+        if self._release_due is None or self._release_due[0] != round_id:
+            self._release_due = (round_id, now + RELEASE_GRACE_S)
+            return
+        if now < self._release_due[1]:
+            return
+        self._release_due = None
+        for host in sorted({host for host, _ in unreported}):
             logging.warning('reset under way: no longer waiting for the workers of %s, '
                             'which discovery dropped', host)
-            self._released_hosts[host] = round_id
-            for slot in missing:
-                # record_failure waits at the barrier, as a worker's exit does
-                threading.Thread(target=self._worker_registry.record_failure,
-                                 args=(host, slot), daemon=True).start()
             self._host_manager.get_host_event(host).set()
+        for host, slot in unreported:
+            # waits at the barrier, as a worker's exit does; a no-op once the round is over
+            threading.Thread(target=self._worker_registry.record_released,
+                             args=(host, slot, round_id), daemon=True).start()
 
     def _notify_workers_host_changes(self, current_hosts, update_res):
+"""),
+        ("""def _epoch_time_s():
+""", """# hvd_averaging patch: how long a reset waits for the workers of a dropped host after every
+# other worker has reported (a graceful removal's report in the same reset comes within it)
+RELEASE_GRACE_S = 3
+
+
+def _epoch_time_s():
 """),
         ("""    def register_worker_server(self, host, slot, addresses, secret_key):
         self._worker_clients[(host, slot)] = WorkerNotificationClient(
@@ -458,6 +471,50 @@ EDITS = {
         key = secret.derive_key(self.worker_secret, 'notification:{}:{}'.format(host, slot))
         self._worker_clients[(host, slot)] = WorkerNotificationClient(
             addresses, key, self._verbose)
+"""),
+    ],
+    "horovod/runner/elastic/registration.py": [
+        ("""        key = (host, slot)
+        with self._lock:
+            if key in self._states:
+                if state == FAILURE:
+""", """        key = (host, slot)
+        with self._lock:
+            if self._states.get(key) == FAILURE:
+                # hvd_averaging patch: counted as failed at this reset's barrier already (its
+                # exit, or the driver stopped waiting for it): a second record would count it
+                # twice and let the barrier complete one worker short
+                if state == FAILURE:
+                    return self._rendezvous_id
+                raise RuntimeError('{}[{}] was recorded as failed in this reset; {} refused'
+                                   .format(host, slot, state))
+            if key in self._states:
+                if state == FAILURE:
+"""),
+        ("""    def _wait(self, key, state, rendezvous_id):
+""", """    def recorded(self):
+        # hvd_averaging patch: this reset's round and the slots recorded in it, read together
+        with self._lock:
+            return self._rendezvous_id, set(self._states)
+
+    def record_released(self, host, slot, rendezvous_id):
+        # hvd_averaging patch: the driver stopped waiting for this slot (its host was dropped):
+        # it counts as failed at the barrier of round ``rendezvous_id``, unless that round is
+        # over or the slot has reported meanwhile
+        self._action_event.wait()
+        key = (host, slot)
+        with self._lock:
+            if self._rendezvous_id != rendezvous_id or key in self._states:
+                return
+            logging.info('record state: {}[{}] = {} (its host was dropped)'.format(host, slot, FAILURE))
+            self._states[key] = FAILURE
+            self._workers[FAILURE].add(key)
+        try:
+            self._wait(key, FAILURE, rendezvous_id)
+        except Exception:
+            logging.exception('released worker {}[{}] left the barrier'.format(host, slot))
+
+    def _wait(self, key, state, rendezvous_id):
 """),
     ],
     "horovod/runner/elastic/worker.py": [
