@@ -86,7 +86,7 @@ MULTIPROCESS_TARGETS = ["tests/multiprocess", "--ignore=tests/multiprocess/stati
                         "--ignore=tests/multiprocess/registered_at_start"] + [
                         f"--ignore=tests/multiprocess/{name}" for name in PLACEMENT_FREE]
 # A suite's limit is a hang detector: the Gloo suite on 2 nodes x 2 ran past 300 s at 0bae30a
-# (75% done) with the tests issue 40 added, none of them hung (they alone: 85 s on the cluster).
+# (75% done, before PLACEMENT_FREE left the cluster suites), none of its tests hung.
 SUITE_LIMIT_S = 600
 PLACEMENT = ["tests/multinode/test_placement.py"]
 START_UP = PLACEMENT + ["tests/multinode/test_start_up_registration.py"]

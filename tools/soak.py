@@ -385,6 +385,7 @@ class Soak:
         """Make the fault happen; returns (injected_at, disrupted_until) as wall-clock times."""
         cluster = self.cluster
         worker = next((e for e in world.starts if self.node_of(e["host"]) == draw.node), None)
+        self.leftovers_killed = 0
         injected = time.time()
         if draw.kind == "rank_killed":
             os.kill(worker["pid"], signal.SIGKILL)  # alive a moment ago (wait_whole)
@@ -429,9 +430,8 @@ class Soak:
         them to ``records/HOST-PID.stacks``) and, where gdb is installed, write the native stacks
         of every thread (Horovod's background thread included) to ``records/HOST-PID.gdb``: what
         a hang is made of. Returns the pids asked."""
-        pids = sorted({e["pid"] for e in self.events() if e["event"] == "process"
-                       and _alive(e["pid"])})
         hosts = {e["pid"]: e["host"] for e in self.events() if e["event"] == "process"}
+        pids = sorted(pid for pid in hosts if _alive(pid))
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGUSR1)
@@ -502,7 +502,6 @@ def run_soak(bin_dir: Path, out: Path, minutes: float, faults: int, seed: int,
             members = [soak.node_of(e["host"]) for e in world.starts]
             draw = bag.draw(members=members, present=soak.present, absent=soak.absent,
                             min_np=min_np, timeout_s=timeout_s, cut_factor=cut_factor)
-            soak.leftovers_killed = 0
             injected, until = soak.inject(draw, world)
             fault = {"index": index, "kind": draw.kind, "node": cluster.nodes[draw.node],
                      "seconds": draw.seconds, "injected_at": injected, "disrupted_until": until,

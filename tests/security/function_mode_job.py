@@ -44,7 +44,7 @@ def scan(found: dict, stop: threading.Event) -> None:
     """Find the workers' secret in an environment, then every command line that holds it."""
     me = os.getpid()
     while not stop.is_set():
-        for proc in _processes():
+        for proc in _processes() if "secret" not in found else []:
             if int(proc.name) == me:
                 continue
             for entry in _read(proc / "environ").split(b"\0"):
