@@ -43,6 +43,7 @@ __all__ = [
 DEFAULT_TIMEOUT_SECONDS = 45.0
 EXIT_CODE_AFTER_TIMEOUT = 75  # EX_TEMPFAIL: the job may succeed when restarted from a checkpoint
 _UNSET = object()  # "not given" for set_timeout's exit_after, and "not set" for its value
+_STUCK_MESSAGES_KEPT = 256
 
 
 def _seconds_from_env(variable: str, default: float) -> float:
@@ -106,6 +107,7 @@ class Deadlines:
         self.ended_by_timeout = False
         self.watchdog = Watchdog()
         self._exit_tokens: list[int] = []  # the exits armed after timeouts, until recovered
+        self._stuck_messages: dict[tuple, str] = {}
 
     def timeout(self) -> float:
         if self.timeout_seconds is not None:
@@ -129,11 +131,23 @@ class Deadlines:
         if exit_after is not _UNSET or seconds is None:
             self.exit_after_seconds = exit_after
 
+    def _stuck_message(self, what: str, stuck_after: float, limit: float) -> str:
+        """:func:`_stuck_message`, kept for the rounds that repeat it (every round of a list
+        arms the same one: formatting it each time was a tenth of the library's cost of a
+        round over a small model)."""
+        key = (what, stuck_after, limit, hvd.rank() if hvd.is_initialized() else None)
+        message = self._stuck_messages.get(key)
+        if message is None:
+            if len(self._stuck_messages) >= _STUCK_MESSAGES_KEPT:
+                self._stuck_messages.clear()
+            message = self._stuck_messages[key] = _stuck_message(what, stuck_after, limit)
+        return message
+
     @contextmanager
     def guarded_enqueue(self, what: str) -> Iterator[None]:
         limit = self.timeout()
         stuck_after = limit + watchdog_grace(limit)
-        token = self.watchdog.arm(stuck_after, _stuck_message(what, stuck_after, limit))
+        token = self.watchdog.arm(stuck_after, self._stuck_message(what, stuck_after, limit))
         try:
             yield
         finally:
@@ -145,7 +159,7 @@ class Deadlines:
         limit = self.timeout()
         remaining = limit if started_at is None else max(0.0, started_at + limit - time.monotonic())
         stuck_after = remaining + watchdog_grace(limit)
-        token = self.watchdog.arm(stuck_after, _stuck_message(what, stuck_after, limit))
+        token = self.watchdog.arm(stuck_after, self._stuck_message(what, stuck_after, limit))
         try:
             yield CollectiveRound(what, limit, nbytes, started_at)
         except AveragingTimeoutError:

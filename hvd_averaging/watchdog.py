@@ -17,12 +17,16 @@ otherwise hang in Horovod's or MPI's shutdown at exit.
 from __future__ import annotations
 
 import itertools
+import mmap
 import os
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Optional
+
+from .watchdog_process import SLOT_BYTES, SLOT_COUNT, SLOT_HEADER, SLOT_MESSAGE_BYTES
 
 __all__ = ["Watchdog"]
 
@@ -40,9 +44,51 @@ def _openmpi_launcher_pid() -> int:
     return parent if name in _OPENMPI_LAUNCHERS else 0
 
 
+class _Slots:
+    """The parent's side of the shared deadline slots (layout: :mod:`.watchdog_process`)."""
+
+    def __init__(self) -> None:
+        self.fd = os.memfd_create("hva-watchdog", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, SLOT_COUNT * SLOT_BYTES)
+        self._memory = mmap.mmap(self.fd, SLOT_COUNT * SLOT_BYTES)
+        self._sequence = [0] * SLOT_COUNT
+        self._free = list(range(SLOT_COUNT - 1, -1, -1))
+        self.by_token: dict[int, int] = {}
+
+    def _write(self, slot: int, deadline: float, message: bytes) -> None:
+        offset = slot * SLOT_BYTES
+        self._sequence[slot] += 1  # odd: the reader waits until the write is whole
+        SLOT_HEADER.pack_into(self._memory, offset, self._sequence[slot], 0.0, 0)
+        if message:
+            start = offset + SLOT_HEADER.size
+            self._memory[start:start + len(message)] = message
+        self._sequence[slot] += 1
+        SLOT_HEADER.pack_into(self._memory, offset, self._sequence[slot], deadline, len(message))
+
+    def arm(self, token: int, seconds: float, message: bytes) -> bool:
+        """False where no slot is free or the message does not fit one."""
+        if not self._free or len(message) > SLOT_MESSAGE_BYTES:
+            return False
+        slot = self._free.pop()
+        self._write(slot, time.monotonic() + seconds, message)
+        self.by_token[token] = slot
+        return True
+
+    def disarm(self, token: int) -> None:
+        slot = self.by_token.pop(token)
+        self._write(slot, 0.0, b"")
+        self._free.append(slot)
+
+    def close(self) -> None:
+        self._memory.close()
+        os.close(self.fd)
+
+
 class Watchdog:
-    """One helper process per Python process, started on first use; ``arm``/``disarm`` cost one
-    small pipe write each.
+    """One helper process per Python process, started on first use. ``arm`` and ``disarm``
+    write a slot of memory shared with it (a pipe line where no slot is free or the message is
+    longer than one), so a round costs no system call; the helper acts on a deadline within
+    50 ms of it.
 
     Deadlines are independent: each :meth:`arm` returns a token that only :meth:`disarm` with
     that token cancels, so a collective's disarm never cancels the exit armed after an earlier
@@ -51,25 +97,38 @@ class Watchdog:
     def __init__(self) -> None:
         self._process: Optional[subprocess.Popen] = None
         self._pipe: Optional[int] = None
+        self._slots: Optional[_Slots] = None
         self._owner_pid: Optional[int] = None
+        self._alive_until = 0.0  # monotonic time until which the helper is taken as running
         self._warned = False  # said once that the helper could not start
         self._tokens = itertools.count(1)
 
     def _ensure_started(self) -> bool:
-        if self._process is not None and self._owner_pid == os.getpid() \
-                and self._process.poll() is None:
-            return True
+        if self._process is not None and self._owner_pid == os.getpid():
+            now = time.monotonic()
+            if now < self._alive_until:
+                return True
+            if self._process.poll() is None:  # a system call: at most once a second
+                self._alive_until = now + 1.0
+                return True
+        if self._slots is not None:  # a fork's copy, or a helper that died: start anew
+            self._slots.close()
+        self._slots = _Slots() if hasattr(os, "memfd_create") else None
+        slots_fd = self._slots.fd if self._slots is not None else -1
         read_end, write_end = os.pipe()
         try:
             self._process = subprocess.Popen(
                 [sys.executable, "-I", "-S", str(_PROCESS_SCRIPT), str(os.getpid()), str(read_end),
-                 str(_openmpi_launcher_pid())],
-                pass_fds=(read_end,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                close_fds=True,
+                 str(_openmpi_launcher_pid()), str(slots_fd)],
+                pass_fds=(read_end,) + ((slots_fd,) if slots_fd >= 0 else ()),
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, close_fds=True,
                 start_new_session=True)
         except OSError as error:
             os.close(write_end)
             self._process = None
+            if self._slots is not None:
+                self._slots.close()
+                self._slots = None
             if not self._warned:
                 self._warned = True
                 warnings.warn(
@@ -82,6 +141,7 @@ class Watchdog:
             os.close(read_end)
         self._pipe = write_end
         self._owner_pid = os.getpid()
+        self._alive_until = 0.0
         return True
 
     def _send(self, line: str) -> None:
@@ -97,12 +157,17 @@ class Watchdog:
         the returned token comes first. Other deadlines armed meanwhile do not replace this one."""
         token = next(self._tokens)
         if self._ensure_started():
-            flat = " ".join(message.split())
-            self._send(f"arm {token} {seconds:.3f} {flat}\n")
+            encoded = message.encode("utf-8", "replace")
+            if self._slots is None or not self._slots.arm(token, seconds, encoded):
+                flat = " ".join(message.split())
+                self._send(f"arm {token} {seconds:.3f} {flat}\n")
         return token
 
     def disarm(self, token: int) -> None:
         """Cancel the deadline :meth:`arm` returned ``token`` for (others stay armed)."""
         if self._process is not None and self._owner_pid == os.getpid():
-            self._send(f"disarm {token}\n")
+            if self._slots is not None and token in self._slots.by_token:
+                self._slots.disarm(token)
+            else:
+                self._send(f"disarm {token}\n")
 

@@ -244,3 +244,62 @@ def test_a_planted_symlink_cannot_redirect_the_watchdog_record(tmp_path):
     # nothing else left behind: no partial file of the watchdog's own
     assert sorted(os.listdir(shared)) == sorted([record_path.name, f"watchdog-{pid}.json.partial"])
     assert os.listdir(elsewhere) == ["victim.txt"]
+
+
+OVERFLOW_CHILD = """
+import sys, time
+from hvd_averaging.watchdog import Watchdog
+from hvd_averaging.watchdog_process import SLOT_COUNT, SLOT_MESSAGE_BYTES
+dog = Watchdog()
+for i in range(SLOT_COUNT):  # every shared slot taken by a later deadline
+    dog.arm(60.0, f"slot deadline {i}")
+if sys.argv[1] == "overflow":
+    dog.arm(1.0, "the deadline past the last slot")
+else:
+    for i in range(SLOT_COUNT):
+        dog.disarm(i + 1)
+    dog.arm(1.0, "a long message " + "x" * SLOT_MESSAGE_BYTES + " its end")
+time.sleep(30)
+print("woke up", flush=True)
+"""
+
+
+@pytest.mark.parametrize("case", ["overflow", "long message"])
+def test_a_deadline_that_does_not_fit_a_shared_slot_still_ends_the_process(case):
+    """Deadlines go through slots of shared memory; one that finds no free slot, or whose
+    message is longer than a slot, goes through the pipe and still ends the process, with its
+    whole message."""
+    proc = subprocess.run([sys.executable, "-c", OVERFLOW_CHILD, case.split()[0]],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -15 and "woke up" not in proc.stdout, (proc.returncode, proc.stderr)
+    if case == "overflow":
+        assert "the deadline past the last slot" in proc.stderr and "slot deadline" not in proc.stderr
+    else:
+        assert "its end" in proc.stderr
+
+
+HELPER_PID_CHILD = """
+import time
+from hvd_averaging.watchdog import Watchdog
+dog = Watchdog()
+for _ in range(1000):  # rounds that finish: armed and disarmed
+    dog.disarm(dog.arm(0.3, "a round"))
+print(dog._process.pid, flush=True)
+"""
+
+
+def test_the_helper_ends_with_its_process_after_rounds_that_finished():
+    """A process that exits right after its last disarm leaves no helper behind and no deadline
+    acted on (the helper reads the slots again once the parent is gone)."""
+    import os
+    proc = subprocess.run([sys.executable, "-c", HELPER_PID_CHILD], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0 and "a round" not in proc.stderr, proc.stderr
+    helper = int(proc.stdout.split()[-1])
+    for _ in range(100):
+        if not os.path.exists(f"/proc/{helper}") or \
+                open(f"/proc/{helper}/stat").read().split(") ")[1][0] == "Z":
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"the watchdog helper {helper} still runs 5 s after its parent ended")
