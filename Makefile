@@ -21,7 +21,7 @@ endif
 MPI4PY_SPEC := mpi4py>=4.1,<5
 WHEELHOUSE_OUT := docker/wheelhouse
 
-.PHONY: install system-packages test test-unit test-multiprocess test-cluster test-slurm demo bench bench-cluster soak docker wheelhouse clean
+.PHONY: install install-dependencies install-package system-packages test test-unit test-multiprocess test-cluster test-slurm demo bench bench-cluster soak docker wheelhouse clean
 
 install: $(VENV)/.installed
 
@@ -41,7 +41,13 @@ system-packages:
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; status=$$?; \
 	  [ -z "$$made" ] || $$SUDO rm -f $$policy; exit $$status; fi
 
-$(VENV)/.installed: setup.cfg pyproject.toml tools/build_horovod.sh tools/patch_horovod_rendezvous.py Makefile
+# Two steps, so that an image rebuilds only the second when the library's code changes
+# (docker/Dockerfile): the dependencies (OpenMPI, torch, mpi4py, the patched Horovod), then the
+# package itself.
+$(VENV)/.installed: $(VENV)/.dependencies-installed
+	$(MAKE) -s install-package
+
+$(VENV)/.dependencies-installed: setup.cfg pyproject.toml tools/build_horovod.sh tools/patch_horovod_rendezvous.py Makefile
 	@command -v mpirun >/dev/null || { \
 	  echo "installing OpenMPI from Debian packages"; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
@@ -51,9 +57,14 @@ $(VENV)/.installed: setup.cfg pyproject.toml tools/build_horovod.sh tools/patch_
 	$(PY) -m pip install -q "$(TORCH_SPEC)" numpy "cmake>=3.18,<4" packaging wheel "setuptools<81" pytest
 	$(PY) -m pip install -q "$(MPI4PY_SPEC)"
 	PYTHON=$(PY) bash tools/build_horovod.sh
+	touch $@
+
+install-dependencies: $(VENV)/.dependencies-installed
+
+install-package:
 	$(PY) -m pip install -q -e ".[test,examples]"
 	$(VENV)/bin/horovodrun --check-build
-	touch $@
+	touch $(VENV)/.installed
 
 test: install system-packages
 	$(PY) tools/run_tests.py

@@ -71,7 +71,7 @@ class RaceSettings:
         if args.long:
             given.update(target_budget_s=300.0, grid_points=100)
         if args.fast:
-            given.update(target_budget_s=6.0, grid_points=8, period=4, delay=2, outer_period=4,
+            given.update(target_budget_s=3.0, grid_points=8, period=4, delay=2, outer_period=4,
                          outer_delay=2)
         return cls(**given)
 
