@@ -32,14 +32,18 @@ class CollectiveRound:
 
     def _poll_until(self, done: Callable[[], bool]) -> None:
         """Call ``done`` until it is true, giving up at the deadline. The pause between polls
-        grows from 50 us to 1 ms: a round that finishes quickly is not delayed, a long one
-        costs one poll per millisecond."""
+        is a sixteenth of the time waited so far, from 50 us up to 1 ms: a round is noticed
+        at most about 6% after it finished, and a long one costs one poll per millisecond.
+        (Doubling the pause from 50 us noticed a round that finished after 1.6 ms up to 1 ms
+        late: 2 ms rounds over Gloo on one host took 1.27x the floor.)"""
+        started = time.monotonic()
         pause = 5e-5
         while not done():
-            if time.monotonic() > self.deadline:
+            now = time.monotonic()
+            if now > self.deadline:
                 raise AveragingTimeoutError(self._timeout_message())
             time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+            pause = min(max(5e-5, (now - started) / 16), 1e-3)
 
     def drive(self, transfers: list) -> None:
         """Advance every transfer (objects with ``advance() -> bool``, e.g.

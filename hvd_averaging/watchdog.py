@@ -26,7 +26,8 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
-from .watchdog_process import SLOT_BYTES, SLOT_COUNT, SLOT_HEADER, SLOT_MESSAGE_BYTES
+from .watchdog_process import (SLOT_COUNT, SLOT_FIELDS, SLOT_HEADER, SLOT_MESSAGE_BYTES,
+                               SLOT_SEQUENCE, SLOTS_BYTES, message_offset)
 
 __all__ = ["Watchdog"]
 
@@ -49,21 +50,22 @@ class _Slots:
 
     def __init__(self) -> None:
         self.fd = os.memfd_create("hva-watchdog", os.MFD_CLOEXEC)
-        os.ftruncate(self.fd, SLOT_COUNT * SLOT_BYTES)
-        self._memory = mmap.mmap(self.fd, SLOT_COUNT * SLOT_BYTES)
+        os.ftruncate(self.fd, SLOTS_BYTES)
+        self._memory = mmap.mmap(self.fd, SLOTS_BYTES)
         self._sequence = [0] * SLOT_COUNT
         self._free = list(range(SLOT_COUNT - 1, -1, -1))
         self.by_token: dict[int, int] = {}
 
     def _write(self, slot: int, deadline: float, message: bytes) -> None:
-        offset = slot * SLOT_BYTES
-        self._sequence[slot] += 1  # odd: the reader waits until the write is whole
-        SLOT_HEADER.pack_into(self._memory, offset, self._sequence[slot], 0.0, 0)
+        offset = slot * SLOT_HEADER.size
+        self._sequence[slot] += 1  # odd: the reader passes over it until the write is whole
+        SLOT_SEQUENCE.pack_into(self._memory, offset, self._sequence[slot])
+        SLOT_FIELDS.pack_into(self._memory, offset + SLOT_SEQUENCE.size, deadline, len(message))
         if message:
-            start = offset + SLOT_HEADER.size
+            start = message_offset(slot)
             self._memory[start:start + len(message)] = message
-        self._sequence[slot] += 1
-        SLOT_HEADER.pack_into(self._memory, offset, self._sequence[slot], deadline, len(message))
+        self._sequence[slot] += 1  # even again, written last: the fields before it are whole
+        SLOT_SEQUENCE.pack_into(self._memory, offset, self._sequence[slot])
 
     def arm(self, token: int, seconds: float, message: bytes) -> bool:
         """False where no slot is free or the message does not fit one."""
@@ -88,7 +90,7 @@ class Watchdog:
     """One helper process per Python process, started on first use. ``arm`` and ``disarm``
     write a slot of memory shared with it (a pipe line where no slot is free or the message is
     longer than one), so a round costs no system call; the helper acts on a deadline within
-    50 ms of it.
+    0.1 s of it.
 
     Deadlines are independent: each :meth:`arm` returns a token that only :meth:`disarm` with
     that token cancels, so a collective's disarm never cancels the exit armed after an earlier
