@@ -135,7 +135,8 @@ class Deadlines:
         """:func:`_stuck_message`, kept for the rounds that repeat it (every round of a list
         arms the same one: formatting it each time was a tenth of the library's cost of a
         round over a small model)."""
-        key = (what, stuck_after, limit, hvd.rank() if hvd.is_initialized() else None)
+        key = (what, stuck_after, limit, os.getpid(),
+               hvd.rank() if hvd.is_initialized() else None)
         message = self._stuck_messages.get(key)
         if message is None:
             if len(self._stuck_messages) >= _STUCK_MESSAGES_KEPT:
@@ -159,7 +160,9 @@ class Deadlines:
         limit = self.timeout()
         remaining = limit if started_at is None else max(0.0, started_at + limit - time.monotonic())
         stuck_after = remaining + watchdog_grace(limit)
-        token = self.watchdog.arm(stuck_after, self._stuck_message(what, stuck_after, limit))
+        message = self._stuck_message(what, stuck_after, limit) if started_at is None \
+            else _stuck_message(what, stuck_after, limit)  # a time of its own: nothing to keep
+        token = self.watchdog.arm(stuck_after, message)
         try:
             yield CollectiveRound(what, limit, nbytes, started_at)
         except AveragingTimeoutError:

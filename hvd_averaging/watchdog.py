@@ -48,13 +48,27 @@ def _openmpi_launcher_pid() -> int:
 class _Slots:
     """The parent's side of the shared deadline slots (layout: :mod:`.watchdog_process`)."""
 
-    def __init__(self) -> None:
-        self.fd = os.memfd_create("hva-watchdog", os.MFD_CLOEXEC)
-        os.ftruncate(self.fd, SLOTS_BYTES)
-        self._memory = mmap.mmap(self.fd, SLOTS_BYTES)
+    def __init__(self, fd: int, memory: mmap.mmap) -> None:
+        self.fd = fd
+        self._memory = memory
         self._sequence = [0] * SLOT_COUNT
         self._free = list(range(SLOT_COUNT - 1, -1, -1))
         self.by_token: dict[int, int] = {}
+
+    @classmethod
+    def create(cls) -> Optional["_Slots"]:
+        """None where shared memory is not to be had (no memfd, a sandbox refusing it): the
+        deadlines then all go by pipe."""
+        try:
+            fd = os.memfd_create("hva-watchdog", os.MFD_CLOEXEC)
+        except (AttributeError, OSError):
+            return None
+        try:
+            os.ftruncate(fd, SLOTS_BYTES)
+            return cls(fd, mmap.mmap(fd, SLOTS_BYTES))
+        except OSError:
+            os.close(fd)
+            return None
 
     def _write(self, slot: int, deadline: float, message: bytes) -> None:
         offset = slot * SLOT_HEADER.size
@@ -113,9 +127,15 @@ class Watchdog:
             if self._process.poll() is None:  # a system call: at most once a second
                 self._alive_until = now + 1.0
                 return True
-        if self._slots is not None:  # a fork's copy, or a helper that died: start anew
-            self._slots.close()
-        self._slots = _Slots() if hasattr(os, "memfd_create") else None
+        if self._owner_pid != os.getpid() and self._slots is not None:
+            self._slots.close()  # a fork's copy of the parent's slots: this process needs its own
+            self._slots = None
+        if self._slots is None:
+            self._slots = _Slots.create()
+        # else a helper that died: the new one reads the same slots, deadlines armed meanwhile too
+        if self._pipe is not None:
+            os.close(self._pipe)  # the old helper's (or, after a fork, the parent's helper's)
+            self._pipe = None
         slots_fd = self._slots.fd if self._slots is not None else -1
         read_end, write_end = os.pipe()
         try:
@@ -128,9 +148,6 @@ class Watchdog:
         except OSError as error:
             os.close(write_end)
             self._process = None
-            if self._slots is not None:
-                self._slots.close()
-                self._slots = None
             if not self._warned:
                 self._warned = True
                 warnings.warn(

@@ -80,13 +80,15 @@ class SharedSlots:
     def __init__(self, fd: int):
         self._memory = mmap.mmap(fd, SLOTS_BYTES, prot=mmap.PROT_READ)
 
-    def earliest(self):
+    def earliest(self, parent_gone: bool = False):
         """(deadline, message) of the earliest armed slot, or None. A slot the parent is
-        writing (odd sequence number) is left for the next poll."""
+        writing (odd sequence number) is left for the next poll; once the parent is gone no
+        write is under way, and one it left half done counts as it stands."""
         while True:
             headers = ALL_HEADERS.unpack_from(self._memory)
             armed = [(headers[i + 1], i // 3, headers[i], headers[i + 2])
-                     for i in range(0, len(headers), 3) if headers[i + 1] and not headers[i] % 2]
+                     for i in range(0, len(headers), 3)
+                     if headers[i + 1] and (parent_gone or not headers[i] % 2)]
             if not armed:
                 return None
             deadline, slot, sequence, length = min(armed)
@@ -147,7 +149,7 @@ def main(parent: int, fd: int, launcher: int, slots_fd: int) -> int:
     parent_gone = False
     while True:
         candidates = list(deadlines.values())
-        in_slots = slots.earliest() if slots is not None else None
+        in_slots = slots.earliest(parent_gone) if slots is not None else None
         if in_slots is not None:
             candidates.append(in_slots)
         earliest = min(candidates) if candidates else None

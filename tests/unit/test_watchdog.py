@@ -303,3 +303,49 @@ def test_the_helper_ends_with_its_process_after_rounds_that_finished():
         time.sleep(0.05)
     else:
         raise AssertionError(f"the watchdog helper {helper} still runs 5 s after its parent ended")
+
+
+RESTART_CHILD = """
+import os, signal, time
+from hvd_averaging.watchdog import Watchdog
+dog = Watchdog()
+dog.arm(3.0, "armed before the helper died")
+os.kill(dog._process.pid, signal.SIGKILL)
+dog._process.wait()
+time.sleep(1.1)  # past the second for which the helper is taken as running
+dog.disarm(dog.arm(30.0, "a round after"))  # notices the death and starts a new helper
+time.sleep(30)
+print("woke up", flush=True)
+"""
+
+
+def test_a_helper_started_again_keeps_what_was_armed():
+    """A helper that died is started again at the next arm, on the same shared slots: the
+    deadline armed before it died still ends the process. At a8b8e3a the new helper got new
+    slots, the deadline was lost and the process woke up 30 s later."""
+    proc = subprocess.run([sys.executable, "-c", RESTART_CHILD], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == -15 and "woke up" not in proc.stdout, (proc.returncode, proc.stderr)
+    assert "armed before the helper died" in proc.stderr
+
+
+NO_SHARED_MEMORY_CHILD = """
+import os, time
+def refuse(*args, **kwargs):
+    raise PermissionError(1, "refused by the sandbox")
+os.memfd_create = refuse
+from hvd_averaging.watchdog import Watchdog
+Watchdog().arm(1.0, "a deadline that went by pipe")
+time.sleep(30)
+print("woke up", flush=True)
+"""
+
+
+def test_without_shared_memory_deadlines_go_by_pipe():
+    """Where shared memory is refused (a seccomp profile, a sandbox), every deadline goes by
+    pipe and still ends the process. At a8b8e3a the refusal came out of arm(), failing the
+    round."""
+    proc = subprocess.run([sys.executable, "-c", NO_SHARED_MEMORY_CHILD], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == -15 and "woke up" not in proc.stdout, (proc.returncode, proc.stderr)
+    assert "a deadline that went by pipe" in proc.stderr
