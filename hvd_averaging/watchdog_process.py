@@ -12,8 +12,7 @@ round (a pipe write per arm and disarm woke this process: 56 us each under cProf
 2-core host, the largest part of a small round's cost). A slot's header holds a sequence number
 (odd while the parent writes the slot: this process passes over it until the next poll), the
 deadline as a ``time.monotonic()`` value (0: free) and the message's length; the headers sit
-together, so one poll reads them in one call (0.7% of a core per helper when every slot was
-read apart). Deadlines that find no free slot, or whose message is longer than a slot, go as
+together, so one poll reads them in one call. Deadlines that find no free slot, or whose message is longer than a slot, go as
 lines on the pipe ``FD``:
 
 * ``arm TOKEN SECONDS MESSAGE``: a deadline SECONDS from now under TOKEN (an integer);
@@ -65,7 +64,7 @@ SLOT_HEADER = struct.Struct("<Qdi4x")  # sequence number, deadline (0: free), me
 SLOT_SEQUENCE = struct.Struct("<Q")  # the header's first field
 SLOT_FIELDS = struct.Struct("<di")  # the header's other fields, after it
 SLOT_MESSAGE_BYTES = 4096
-ALL_HEADERS = struct.Struct("<" + "Qdi4x" * SLOT_COUNT)
+ALL_HEADERS = struct.Struct("<" + SLOT_HEADER.format.lstrip("<") * SLOT_COUNT)
 SLOTS_BYTES = ALL_HEADERS.size + SLOT_COUNT * SLOT_MESSAGE_BYTES
 POLL_SECONDS = 0.1  # how late a deadline in a slot may be acted on
 
@@ -168,10 +167,7 @@ def main(parent: int, fd: int, launcher: int, slots_fd: int) -> int:
         if parent_gone:
             if earliest is None:
                 return 0  # a normal exit
-            # Died during a collective or after a timeout: see it through, but let go of the
-            # rank's stderr first, or a launcher reading it until EOF would wait for us.
-            os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
-            time.sleep(wait)  # nothing changes any more
+            time.sleep(wait)  # died during a collective or after a timeout: see it through
             continue
         if slots is not None:
             wait = POLL_SECONDS if wait is None else min(wait, POLL_SECONDS)
@@ -180,6 +176,8 @@ def main(parent: int, fd: int, launcher: int, slots_fd: int) -> int:
         chunk = os.read(fd, 65536)
         if not chunk:
             parent_gone = True  # what it left armed is read again above
+            # let go of the rank's stderr, or a launcher reading it until EOF would wait for us
+            os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
             continue
         pending += chunk
         *lines, pending = pending.split(b"\n")
